@@ -1,0 +1,259 @@
+"""Built-in benchmark workloads: a dataset, a model, and the optimizer settings that go with them.
+
+A :class:`Workload` is everything ``batchpilot bench`` needs to train one model under several batch-size
+policies: how to build the data (a fixed function of a data seed), how to build the model (a function of
+the run seed), the learning rate at the base batch size, the optimizer, and the default target accuracy.
+
+* ``mnist1d`` (default): MNIST-1D (Greydanus 2020, "Scaling down deep learning"), generated locally with
+  the ``mnist1d`` package's ``make_dataset`` (never its download path) at 60,000 samples, split 48k train /
+  12k test, and the paper's small 1D CNN. Generation takes ~20 s on one core, so the arrays are cached as
+  ``.npz`` under ``$BATCHPILOT_CACHE`` (default ``~/.cache/batchpilot``), keyed by the generation args.
+* ``synthetic``: linearly separable Gaussian blobs and a tiny MLP, built instantly, for tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+__all__ = [
+    "WORKLOADS",
+    "Workload",
+    "cache_dir",
+    "get_workload",
+    "load_mnist1d",
+    "mnist1d_cnn",
+    "sgd_momentum",
+]
+
+
+def sgd_momentum(params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """The default benchmark optimizer: SGD with momentum 0.9, no weight decay."""
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One benchmark task.
+
+    Attributes:
+        name: Registry key (``--workload``).
+        description: One line for ``--help`` and the report.
+        build_data: ``build_data(seed) -> (train, test)``, two ``TensorDataset`` of ``(x, y)``; ``seed``
+            is the *data* seed (the dataset is part of the workload, so the runner passes ``data_seed``).
+        build_model: ``build_model(seed) -> nn.Module``; the weights are a function of ``seed`` alone.
+        base_lr: Learning rate at ``base_batch_size`` (the LR rule rescales it for other sizes).
+        base_batch_size: The batch size ``base_lr`` was tuned for.
+        make_optimizer: ``make_optimizer(params, lr) -> Optimizer``.
+        target_accuracy: Default test accuracy that counts as "trained".
+        quick_target_accuracy: Target used by ``batchpilot bench --quick`` (reachable in its budget).
+        data_seed: Seed the runner passes to ``build_data``.
+        loss_fn: ``loss_fn(logits, y) -> scalar`` mean loss.
+    """
+
+    name: str
+    description: str
+    build_data: Callable[[int], tuple[TensorDataset, TensorDataset]]
+    build_model: Callable[[int], nn.Module]
+    base_lr: float
+    target_accuracy: float
+    quick_target_accuracy: float
+    base_batch_size: int = 32
+    make_optimizer: Callable[[Iterable[torch.nn.Parameter], float], torch.optim.Optimizer] = sgd_momentum
+    data_seed: int = 42
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = field(
+        default=nn.functional.cross_entropy
+    )
+
+
+def _seeded_model(seed: int, make: Callable[[], nn.Module]) -> nn.Module:
+    # Seed a private copy of torch's CPU RNG so building a model neither depends on nor disturbs the
+    # caller's global random state.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return make()
+
+
+# ----------------------------------------------------------------------------------------- MNIST-1D
+MNIST1D_NUM_SAMPLES = 60_000
+
+
+def cache_dir() -> Path:
+    """Where generated datasets are cached: ``$BATCHPILOT_CACHE`` or ``~/.cache/batchpilot``."""
+    env = os.environ.get("BATCHPILOT_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "batchpilot"
+
+
+def _import_mnist1d() -> tuple[Callable[..., dict], Callable[..., Any]]:
+    try:
+        from mnist1d.data import get_dataset_args, make_dataset
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "the mnist1d workload needs the 'mnist1d' package, an optional extra of batchpilot; "
+            'install it with: pip install "batchpilot[bench]"'
+        ) from exc
+    return make_dataset, get_dataset_args
+
+
+def load_mnist1d(
+    num_samples: int = MNIST1D_NUM_SAMPLES, seed: int = 42, *, cache: bool = True
+) -> dict[str, np.ndarray]:
+    """Generate (or load from the cache) MNIST-1D with ``num_samples`` samples, 80/20 train/test split.
+
+    Uses ``mnist1d.data.make_dataset`` with the package's default arguments except ``num_samples`` and
+    ``seed``; nothing is downloaded. ``make_dataset`` reseeds the global ``random`` and ``numpy`` RNGs,
+    so their states are saved and restored around it.
+
+    Returns:
+        A dict with float32 ``x`` (N_train, 40), int64 ``y``, ``x_test``, ``y_test``.
+
+    Raises:
+        ImportError: ``mnist1d`` is not installed (names the extra to install).
+    """
+    make_dataset, get_dataset_args = _import_mnist1d()
+    args = get_dataset_args(as_dict=True)
+    args.pop("url", None)  # only used by the download path, which we never take
+    args.update(num_samples=int(num_samples), seed=int(seed))
+    key = hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir() / f"mnist1d-{num_samples}-{key}.npz"
+    if cache and path.exists():
+        try:
+            with np.load(path) as data:
+                return {k: data[k] for k in ("x", "y", "x_test", "y_test")}
+        except (OSError, ValueError, KeyError):
+            pass  # a damaged cache file: regenerate and overwrite it
+
+    from mnist1d.utils import ObjectView
+
+    py_state, np_state = random.getstate(), np.random.get_state()
+    try:
+        raw = make_dataset(ObjectView(dict(args)))
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+    data = {
+        "x": raw["x"].astype(np.float32),
+        "y": raw["y"].astype(np.int64),
+        "x_test": raw["x_test"].astype(np.float32),
+        "y_test": raw["y_test"].astype(np.int64),
+    }
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Atomic write: a concurrent reader sees either no file or a complete one.
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npz.tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **data)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    return data
+
+
+def _mnist1d_data(seed: int, num_samples: int = MNIST1D_NUM_SAMPLES) -> tuple[TensorDataset, TensorDataset]:
+    d = load_mnist1d(num_samples, seed)
+    # Shapes: x (N, 1, 40) float32 — one input channel of length 40 for Conv1d; y (N,) int64.
+    train = TensorDataset(torch.from_numpy(d["x"]).unsqueeze(1), torch.from_numpy(d["y"]))
+    test = TensorDataset(torch.from_numpy(d["x_test"]).unsqueeze(1), torch.from_numpy(d["y_test"]))
+    return train, test
+
+
+class MNIST1DCNN(nn.Module):
+    """The 1D CNN of the MNIST-1D paper (Greydanus 2020): three strided convolutions and a linear head.
+
+    Input (N, 1, 40) -> conv(k5, s2, p1) -> (N, 25, 19) -> conv(k3, s2, p1) -> (N, 25, 10)
+    -> conv(k3, s2, p1) -> (N, 25, 5) -> flatten (N, 125) -> linear -> (N, 10) logits. ~5k parameters.
+    """
+
+    def __init__(self, channels: int = 25, num_classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv1d(1, channels, kernel_size=5, stride=2, padding=1)
+        self.conv2 = nn.Conv1d(channels, channels, kernel_size=3, stride=2, padding=1)
+        self.conv3 = nn.Conv1d(channels, channels, kernel_size=3, stride=2, padding=1)
+        self.head = nn.Linear(channels * 5, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv1(x))
+        x = torch.relu(self.conv2(x))
+        x = torch.relu(self.conv3(x))
+        return self.head(x.flatten(1))
+
+
+def mnist1d_cnn(seed: int) -> nn.Module:
+    """The MNIST-1D CNN with weights initialised from ``seed``."""
+    return _seeded_model(seed, MNIST1DCNN)
+
+
+# ---------------------------------------------------------------------------------------- synthetic
+def _blobs(seed: int, n_train: int = 4096, n_test: int = 1024, dim: int = 16, classes: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    # Class means on a scaled simplex-like set of random directions: separable, but not at step 0.
+    means = torch.randn(classes, dim, generator=g) * 1.5
+
+    def draw(n: int) -> TensorDataset:
+        y = torch.randint(0, classes, (n,), generator=g)
+        x = means[y] + torch.randn(n, dim, generator=g)
+        return TensorDataset(x, y)
+
+    return draw(n_train), draw(n_test)
+
+
+def _tiny_mlp(seed: int) -> nn.Module:
+    return _seeded_model(seed, lambda: nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
+
+
+# ----------------------------------------------------------------------------------------- registry
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in (
+        Workload(
+            name="mnist1d",
+            description="MNIST-1D (60k samples, 48k train / 12k test, generated locally) with the "
+            "paper's 1D CNN; SGD momentum 0.9, lr 0.01 at batch 32",
+            build_data=_mnist1d_data,
+            build_model=mnist1d_cnn,
+            base_lr=0.01,
+            target_accuracy=0.98,
+            quick_target_accuracy=0.95,
+        ),
+        Workload(
+            name="synthetic",
+            description="Gaussian blobs (4 classes, 16 dims, 4096 train / 1024 test) with a tiny MLP; "
+            "instant, for tests",
+            build_data=_blobs,
+            build_model=_tiny_mlp,
+            base_lr=0.05,
+            target_accuracy=0.95,
+            quick_target_accuracy=0.9,
+            data_seed=0,
+        ),
+    )
+}
+
+
+def get_workload(name: str | Workload) -> Workload:
+    """Return the registered workload ``name`` (a :class:`Workload` passes through).
+
+    Raises:
+        ValueError: ``name`` is not registered; the message lists the registered names.
+    """
+    if isinstance(name, Workload):
+        return name
+    try:
+        return WORKLOADS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown workload {name!r}; choose one of: {', '.join(sorted(WORKLOADS))}."
+        ) from None

@@ -1,0 +1,112 @@
+"""Atomic, self-checking checkpoint files.
+
+A checkpoint is written to a temporary file in the same folder, flushed to disk, then renamed over the
+target (``os.replace`` is atomic on POSIX), so a crash mid-write never leaves a half-written file under
+the real name and the previous checkpoint stays usable. Each file carries a format marker and a
+completion marker; a truncated or foreign file raises :class:`CheckpointError` naming the file.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = "batchpilot-checkpoint"
+VERSION = 1
+_NAME = re.compile(r"^step-(\d+)\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is missing, truncated, corrupt, or not a batchpilot checkpoint."""
+
+
+def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
+    """Write ``state`` to ``path`` atomically and return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"format": FORMAT, "version": VERSION, "state": state, "complete": True}
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a checkpoint written by :func:`save_checkpoint` and return its state.
+
+    Raises:
+        CheckpointError: the file does not exist, is truncated or corrupt, or is not a batchpilot file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist; check the path or the checkpoint_dir.")
+    try:
+        # Our own files hold only tensors, containers and numbers, so the safe loader suffices.
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several types for truncated or foreign data
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} cannot be read ({type(exc).__name__}: {str(exc)[:200]}); it is truncated, "
+            "corrupt or not a batchpilot checkpoint. Load an earlier one (see latest_checkpoint)."
+        ) from exc
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{str(path)!r} is not a batchpilot checkpoint (no {FORMAT!r} marker); "
+            "pass a file written by Pilot.save_checkpoint."
+        )
+    if payload.get("version") != VERSION:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has format version {payload.get('version')!r}; this batchpilot reads version "
+            f"{VERSION}. Use the batchpilot version that wrote it."
+        )
+    if payload.get("complete") is not True or "state" not in payload:
+        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete; load an earlier one.")
+    return payload["state"]
+
+
+def checkpoint_path(directory: str | os.PathLike, step: int) -> Path:
+    """The file name used for the checkpoint of ``step`` in ``directory``."""
+    return Path(directory) / f"step-{step:09d}.pt"
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """Checkpoint files in ``directory``, oldest step first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The newest checkpoint in ``directory`` that loads cleanly, or ``None`` when there is none.
+
+    A newer file that fails to load (truncated by a crash outside our atomic write, say) is skipped, so
+    the previous checkpoint is used instead.
+    """
+    for path in reversed(list_checkpoints(directory)):
+        try:
+            load_checkpoint(path)
+        except CheckpointError:
+            continue
+        return path
+    return None
+
+
+def prune_checkpoints(directory: str | os.PathLike, keep: int) -> None:
+    """Delete all but the ``keep`` newest checkpoints in ``directory``."""
+    for path in list_checkpoints(directory)[:-keep] if keep > 0 else []:
+        path.unlink(missing_ok=True)

@@ -1,0 +1,62 @@
+"""Gradient norms and clipping thresholds."""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Any, Iterable
+
+import torch
+
+
+def grad_norm(params: Iterable[torch.nn.Parameter]) -> float:
+    """Global L2 norm of all gradients (``inf``/``nan`` when a gradient is not finite)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    norms = torch._foreach_norm(grads) if hasattr(torch, "_foreach_norm") else [g.norm() for g in grads]
+    return float(torch.linalg.vector_norm(torch.stack([n.float() for n in norms])))
+
+
+class StatsClip:
+    """A clipping threshold taken from the statistics of recent gradient norms (seed 002, "dynamic
+    threshold from gradient variance").
+
+    The seed's snippet computes ``0.1 * std`` of per-parameter norms, which is not well defined (it
+    concatenates 0-d tensors) and would clip almost every step; we read its intent as "clip outliers
+    relative to recent gradient statistics": threshold = ``mean + z * std`` of the last ``window``
+    pre-clip global norms, after ``warmup`` steps (no clipping before), in the spirit of OLMo-core's
+    outlier skipping. Only finite norms enter the window.
+
+    Args:
+        z: How many standard deviations above the mean a norm may lie before it is clipped.
+        window: Number of recent norms that define mean and standard deviation.
+        warmup: Steps without clipping, while the window fills.
+    """
+
+    def __init__(self, z: float = 3.0, window: int = 50, warmup: int = 10) -> None:
+        if not (z > 0 and window >= 2 and warmup >= 2):
+            raise ValueError(f"StatsClip needs z > 0, window >= 2, warmup >= 2; got z={z}, window={window}, warmup={warmup}.")
+        self.z, self.window, self.warmup = float(z), int(window), int(warmup)
+        self._norms: collections.deque[float] = collections.deque(maxlen=self.window)
+
+    def threshold(self) -> float | None:
+        """The current clipping threshold, or ``None`` while warming up."""
+        if len(self._norms) < self.warmup:
+            return None
+        n = len(self._norms)
+        mean = sum(self._norms) / n
+        std = math.sqrt(sum((x - mean) ** 2 for x in self._norms) / (n - 1))
+        return mean + self.z * std
+
+    def observe(self, norm: float) -> None:
+        """Record one pre-clip global gradient norm."""
+        if math.isfinite(norm):
+            self._norms.append(float(norm))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"z": self.z, "window": self.window, "warmup": self.warmup, "norms": list(self._norms)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.z, self.window, self.warmup = float(state["z"]), int(state["window"]), int(state["warmup"])
+        self._norms = collections.deque(state["norms"], maxlen=self.window)

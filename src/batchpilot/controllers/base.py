@@ -1,0 +1,125 @@
+"""What every controller sees (`Observation`), what it must offer (`Controller`), and the one boundary
+every decision passes through (`validate_decision`)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol, runtime_checkable
+
+logger = logging.getLogger("batchpilot")
+
+
+@dataclass(frozen=True)
+class Observation:
+    """A snapshot of training taken between two optimizer steps.
+
+    Attributes:
+        step: Optimizer steps completed so far. The decision made from this observation is the global
+            batch size of step index ``step`` (0-based), i.e. the next step.
+        samples_seen: Samples consumed since the start of training, over all ranks.
+        epoch: Full passes over the data completed.
+        coverage: Fraction of the current pass consumed, in ``[0, 1)``.
+        batch_size: The global batch size of the step that just finished.
+        num_samples: Dataset length (so a controller can reason in epochs).
+        losses: Mean training loss of recent steps, oldest first (at most ``Pilot.loss_history``).
+        samples_per_s: Recent training throughput (samples per second over all ranks), if measured.
+        stats: Further named measurements (gradient statistics, system and cluster metrics), using the
+            namespaced metric names (``stats/noise_scale``, ``system/cpu_util``, ...).
+    """
+
+    step: int
+    samples_seen: int
+    epoch: int
+    coverage: float
+    batch_size: int
+    num_samples: int = 0
+    losses: tuple[float, ...] = ()
+    samples_per_s: float | None = None
+    stats: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def epochs_done(self) -> float:
+        """Passes over the data including the current fraction (``epoch + coverage``)."""
+        return self.epoch + self.coverage
+
+
+@runtime_checkable
+class Controller(Protocol):
+    """Decides the global batch size of the next step. Pure: no I/O, no communication, no ranks."""
+
+    def decide(self, obs: Observation) -> int:
+        """Return the global batch size of step ``obs.step``."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue deciding identically after a restart."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        ...
+
+
+class InvalidDecisionError(ValueError):
+    """A controller returned something that is not a usable batch size."""
+
+
+def validate_decision(
+    value: Any,
+    *,
+    current: int,
+    min_size: int | None = None,
+    max_size: int | None = None,
+    on_invalid: str = "raise",
+    source: str = "controller",
+) -> tuple[int, str | None]:
+    """Check and bound one decision; return ``(size, note)``.
+
+    ``note`` is ``None`` when ``value`` was used as is, else a short text saying what was changed
+    (clamped to a bound, or an invalid value replaced), for the adjustment log.
+
+    Args:
+        value: What the controller returned.
+        current: The current global batch size (kept when ``on_invalid="keep"``).
+        min_size, max_size: Optional bounds; a valid value outside them is clamped (and noted).
+        on_invalid: ``"raise"`` (default) rejects 0, negatives, NaN/inf, bools and non-integers;
+            ``"keep"`` keeps ``current`` instead and logs a warning.
+        source: Name of the controller, for messages.
+
+    Raises:
+        InvalidDecisionError: ``value`` is invalid and ``on_invalid == "raise"``.
+    """
+    problem = _problem(value)
+    if problem is not None:
+        message = (
+            f"{source} returned {value!r} ({problem}); a decision must be a whole number >= 1. "
+            "Fix the controller, or pass on_invalid='keep' to keep the current size instead."
+        )
+        if on_invalid == "raise":
+            raise InvalidDecisionError(message)
+        logger.warning("%s; keeping batch size %d", message, current)
+        return current, f"invalid value {value!r} ({problem}); kept {current}"
+    size = int(value)
+    if min_size is not None and size < min_size:
+        return min_size, f"clamped {size} up to min_size={min_size}"
+    if max_size is not None and size > max_size:
+        return max_size, f"clamped {size} down to max_size={max_size}"
+    return size, None
+
+
+def _problem(value: Any) -> str | None:
+    if isinstance(value, bool):
+        return "a bool"
+    if isinstance(value, numbers.Integral):
+        return None if int(value) >= 1 else "not positive"
+    if isinstance(value, numbers.Real):
+        v = float(value)
+        if math.isnan(v) or math.isinf(v):
+            return "not finite"
+        if not v.is_integer():
+            return "not a whole number"
+        return None if v >= 1 else "not positive"
+    return f"of type {type(value).__name__}"

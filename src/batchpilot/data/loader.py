@@ -1,0 +1,374 @@
+"""`AdaptiveDataLoader`: micro-batches of exactly the decided global batch, with workers and prefetching.
+
+Each global batch (one optimizer step) is cut from an :class:`AdaptiveBatchSampler`; this rank's share is
+split into ``accumulation_steps`` near-equal micro-batches of at most ``max_micro_batch_size`` samples.
+``accumulation_steps`` is computed from the *largest* rank share, so every rank runs the same number of
+micro-steps (DDP collectives never hang). A rank whose part is empty gets a *ghost* micro-batch: one
+borrowed sample of the step, to be weighted 0, so that it still runs forward and backward with the rest.
+
+Exact sizes with prefetching: with ``num_workers > 0`` torch's DataLoader asks the batch sampler for index
+lists ahead of consumption. Every planned micro-batch remembers the sampler position at the start of its
+step; when :meth:`set_batch_size` changes the size while micro-batches of later steps were already planned,
+the loader rewinds the sampler to the first unconsumed step and restarts the worker iterator (persistent
+workers drain their queue instead of restarting). Nothing prefetched under the old size reaches the
+consumer, and no index is lost or repeated. The cost is one discarded prefetch window per change.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
+
+from .._validation import check_batch_size, check_positive_int
+from .sampler import AdaptiveBatchSampler, share_bounds
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of one step on this rank.
+
+    Attributes:
+        data: The collated samples.
+        indices: Dataset indices in ``data`` (a numpy array).
+        micro_index: Position within the step, ``0 <= micro_index < accumulation_steps``.
+        accumulation_steps: Micro-batches in this step (equal on every rank).
+        local_size: This rank's samples in the step.
+        global_size: Samples in the step over all ranks (the global batch size B).
+        ghost: True when this rank's part of the step is empty (a final global batch smaller than the
+            number of ranks, or than the accumulation steps). ``data`` then holds one sample of the step,
+            borrowed so that every rank runs the same forward/backward (DDP collectives never hang); its
+            loss gets weight 0 and it does not count as seen.
+    """
+
+    data: Any
+    indices: np.ndarray
+    micro_index: int
+    accumulation_steps: int
+    local_size: int
+    global_size: int
+    ghost: bool = False
+
+    @property
+    def size(self) -> int:
+        """Samples in this micro-batch that count (0 for a ghost)."""
+        return 0 if self.ghost else len(self.indices)
+
+    @property
+    def is_last(self) -> bool:
+        """True for the final micro-batch of its step."""
+        return self.micro_index == self.accumulation_steps - 1
+
+
+@dataclass
+class _Planned:
+    indices: np.ndarray
+    micro_index: int
+    accumulation_steps: int
+    local_size: int
+    global_size: int
+    position: tuple[int, int, int, int]  # sampler (epoch, offset, samples_seen, dropped) at the step's start
+    ghost: bool = False
+
+
+def accumulation_steps_for(global_size: int, world_size: int, max_micro_batch_size: int | None) -> int:
+    """Micro-batches per step: enough for the largest rank share to fit ``max_micro_batch_size``."""
+    if max_micro_batch_size is None:
+        return 1
+    largest_share = -(-global_size // world_size)
+    return max(1, -(-largest_share // max_micro_batch_size))
+
+
+def split_even(n: int, parts: int) -> list[tuple[int, int]]:
+    """Split ``range(n)`` into ``parts`` contiguous pieces whose sizes differ by at most one."""
+    return [share_bounds(n, i, parts) for i in range(parts)]
+
+
+def _index_tensors(tensors: tuple[torch.Tensor, ...], indices: Any) -> list[torch.Tensor]:
+    """Collate a TensorDataset batch by indexing (what default_collate would build, without the loop)."""
+    index = torch.from_numpy(np.array(indices, dtype=np.int64))  # a copy: the epoch order is read-only
+    return [t.index_select(0, index) for t in tensors]
+
+
+class _BatchedTensors(Dataset):
+    """A TensorDataset view whose ``__getitems__`` fetches a whole batch at once (used by workers)."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors[0])
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        return tuple(t[index] for t in self.tensors)
+
+    def __getitems__(self, indices: list[int]) -> list[list[torch.Tensor]]:
+        return [_index_tensors(self.tensors, indices)]
+
+
+def _first(batch: list[Any]) -> Any:
+    return batch[0]
+
+
+class _PlanBatchSampler:
+    """The batch sampler handed to torch's DataLoader: each ``__iter__`` plans from the current position."""
+
+    def __init__(self, owner: "AdaptiveDataLoader") -> None:
+        self._owner = owner
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self._owner._emit()
+
+
+class AdaptiveDataLoader:
+    """Iterate micro-batches whose steps follow the global batch size set before each step.
+
+    Iterating yields :class:`MicroBatch` objects for the rest of the current epoch (like a DataLoader, one
+    ``for`` loop is one epoch). Call :meth:`set_batch_size` between steps, that is after a micro-batch with
+    ``is_last`` and before asking for the next one; the next step has exactly that size.
+
+    Args:
+        dataset: A map-style dataset with ``__len__``. A ``TensorDataset`` is fetched by tensor indexing and
+            a dataset with ``__getitems__`` one batch at a time, both much faster than one sample at a time.
+        batch_size: Initial global batch size.
+        max_micro_batch_size: Upper bound of samples per forward/backward on one rank (``None``: no split).
+        shuffle, seed, drop_last, rank, world_size: See :class:`AdaptiveBatchSampler`.
+        num_workers, collate_fn, pin_memory, prefetch_factor, persistent_workers: As for
+            ``torch.utils.data.DataLoader``; ``persistent_workers`` defaults to True when there are workers,
+            which keeps a size change cheap.
+        sampler: Use this sampler instead of building one (its settings win over the arguments above).
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        *,
+        max_micro_batch_size: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool | None = None,
+        sampler: AdaptiveBatchSampler | None = None,
+    ) -> None:
+        try:
+            length = len(dataset)  # type: ignore[arg-type]
+        except TypeError as exc:
+            raise TypeError(
+                f"dataset of type {type(dataset).__name__} has no __len__; AdaptiveDataLoader needs a map-style "
+                "dataset with a known length (wrap an iterable in a list or a Dataset)."
+            ) from exc
+        if length == 0:
+            raise ValueError("the dataset has 0 samples: there is nothing to train on; check that it was loaded.")
+        self.dataset = dataset
+        self.sampler = sampler or AdaptiveBatchSampler(
+            length, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, rank=rank, world_size=world_size
+        )
+        if self.sampler.num_samples != length:
+            raise ValueError(
+                f"sampler.num_samples={self.sampler.num_samples} but the dataset has {length} samples."
+            )
+        self.max_micro_batch_size = (
+            None if max_micro_batch_size is None else check_batch_size(max_micro_batch_size, "max_micro_batch_size")
+        )
+        self.num_workers = check_positive_int(num_workers, "num_workers", minimum=0)
+        self.collate_fn = collate_fn or default_collate
+        self._planned: collections.deque[_Planned] = collections.deque()
+        self._pending: collections.deque[Any] = collections.deque()
+        self._exhausted = False
+        self._torch_loader: DataLoader | None = None
+        self._iterator: Iterator[Any] | None = None
+        self.rewinds = 0  # how often a size change discarded prefetched micro-batches
+        if self.num_workers > 0 or pin_memory:
+            fast = type(dataset) is TensorDataset and self.collate_fn is default_collate
+            self._torch_loader = DataLoader(
+                _BatchedTensors(dataset.tensors) if fast else dataset,  # type: ignore[attr-defined]
+                batch_sampler=_PlanBatchSampler(self),
+                num_workers=self.num_workers,
+                collate_fn=_first if fast else self.collate_fn,
+                pin_memory=pin_memory,
+                prefetch_factor=prefetch_factor,
+                persistent_workers=(self.num_workers > 0) if persistent_workers is None else persistent_workers,
+            )
+
+    # ------------------------------------------------------------------ size
+    @property
+    def batch_size(self) -> int:
+        """Global size of the next step to be planned."""
+        return self.sampler.batch_size
+
+    def set_batch_size(self, batch_size: int) -> None:
+        """Set the global batch size from the next step on (call between steps)."""
+        batch_size = check_batch_size(batch_size)
+        if batch_size == self.sampler.batch_size:
+            return
+        self._check_between_steps("set_batch_size")
+        self.sampler.set_batch_size(batch_size)  # before the rewind: a restarted worker iterator plans at once
+        if self._planned:
+            self._rewind()
+
+    def set_max_micro_batch_size(self, size: int | None) -> None:
+        """Change the micro-batch bound from the next step on (e.g. after running out of memory)."""
+        size = None if size is None else check_batch_size(size, "max_micro_batch_size")
+        self._check_between_steps("set_max_micro_batch_size")
+        self.max_micro_batch_size = size
+        if self._planned:
+            self._rewind()
+
+    def _rewind(self) -> None:
+        """Return to the start of the first unconsumed step, discarding what was planned after it."""
+        s = self.sampler
+        s.epoch, s.offset, s.samples_seen, s.dropped_samples = self._planned[0].position
+        self._planned.clear()
+        self._pending.clear()
+        self._exhausted = False
+        self.rewinds += 1
+        if self._iterator is not None and self._torch_loader is not None:
+            # Persistent workers drain their queue and resume from the rewound position.
+            self._iterator = iter(self._torch_loader)
+
+    def _check_between_steps(self, what: str) -> None:
+        if self._planned and self._planned[0].micro_index != 0:
+            raise RuntimeError(
+                f"{what} was called in the middle of a step; call it between steps "
+                "(after the micro-batch whose is_last is True)."
+            )
+
+    # ------------------------------------------------------------------ planning
+    def _plan_step(self) -> list[_Planned] | None:
+        """Cut the next global batch and plan its micro-batches; ``None`` at the end of the epoch."""
+        sampler = self.sampler
+        position = (sampler.epoch, sampler.offset, sampler.samples_seen, sampler.dropped_samples)
+        batch = sampler.next_global_batch()
+        if batch is None:
+            return None
+        share = sampler.local_share(batch)
+        steps = accumulation_steps_for(len(batch), sampler.world_size, self.max_micro_batch_size)
+        parts = [
+            _Planned(share[lo:hi], micro, steps, len(share), len(batch), position)
+            if hi > lo
+            else _Planned(batch[:1], micro, steps, len(share), len(batch), position, ghost=True)
+            for micro, (lo, hi) in enumerate(split_even(len(share), steps))
+        ]
+        self._planned.extend(parts)
+        return parts
+
+    def _emit(self) -> Iterator[list[int]]:
+        """Plan the remaining steps of the current epoch; yield each micro-batch's index list."""
+        start_epoch = self.sampler.epoch
+        while self.sampler.epoch == start_epoch:
+            parts = self._plan_step()
+            if parts is None:
+                return
+            for part in parts:
+                yield part.indices.tolist()
+
+    def _fetch(self, indices: np.ndarray) -> Any:
+        """Fetch and collate one micro-batch in this process (no workers)."""
+        ds = self.dataset
+        if type(ds) is TensorDataset and self.collate_fn is default_collate:
+            return _index_tensors(ds.tensors, indices)
+        items = indices.tolist()
+        getitems = getattr(ds, "__getitems__", None)
+        samples = getitems(items) if getitems else [ds[i] for i in items]
+        return self.collate_fn(samples)
+
+    def __iter__(self) -> Iterator[MicroBatch]:
+        """Yield the micro-batches of the remaining steps of the current epoch.
+
+        A loop left early (``break``) leaves its unfinished step to the next loop, which starts that step
+        again from its first micro-batch.
+        """
+        if self._planned:
+            self._rewind()
+        if self._torch_loader is None:
+            return self._iter_in_process()
+        return self._iter_workers()
+
+    def _iter_in_process(self) -> Iterator[MicroBatch]:
+        # Plan a step only once the previous one is consumed: nothing is ever planned ahead.
+        start_epoch = self.sampler.epoch
+        while True:
+            if not self._planned:
+                if self.sampler.epoch != start_epoch or self._plan_step() is None:
+                    return
+            planned = self._planned[0]
+            data = self._fetch(planned.indices)
+            self._planned.popleft()
+            yield self._micro(planned, data)
+
+    def _iter_workers(self) -> Iterator[MicroBatch]:
+        assert self._torch_loader is not None
+        self._pending.clear()
+        self._exhausted = False
+        self._iterator = iter(self._torch_loader)
+        while True:
+            while not self._planned and not self._exhausted:
+                self._pull()  # asking for data makes the DataLoader plan (and prefetch) further
+            if not self._planned:
+                return
+            planned = self._planned[0]
+            while not self._pending:
+                if self._exhausted:
+                    raise RuntimeError("the worker iterator ended before a planned micro-batch arrived.")
+                self._pull()
+            data = self._pending.popleft()
+            self._planned.popleft()
+            yield self._micro(planned, data)
+
+    def _pull(self) -> None:
+        try:
+            self._pending.append(next(self._iterator))  # type: ignore[arg-type]
+        except StopIteration:
+            self._exhausted = True
+
+    @staticmethod
+    def _micro(planned: _Planned, data: Any) -> MicroBatch:
+        return MicroBatch(
+            data,
+            planned.indices,
+            planned.micro_index,
+            planned.accumulation_steps,
+            planned.local_size,
+            planned.global_size,
+            planned.ghost,
+        )
+
+    # ------------------------------------------------------------------ state
+    def position(self) -> tuple[int, int, int]:
+        """``(epoch, offset, samples_seen)`` at the first unconsumed step (prefetched steps excluded)."""
+        if self._planned:
+            epoch, offset, seen, _ = self._planned[0].position
+            return epoch, offset, seen
+        s = self.sampler
+        return s.epoch, s.offset, s.samples_seen
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler position at the first unconsumed step (JSON-serialisable); call between steps."""
+        state = self.sampler.state_dict()
+        if self._planned:  # planned but unconsumed steps are not part of the position
+            state["epoch"], state["offset"], state["samples_seen"], state["dropped_samples"] = self._planned[0].position
+        state["max_micro_batch_size"] = self.max_micro_batch_size
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a :meth:`state_dict` (possibly saved under another world size)."""
+        state = dict(state)
+        micro = state.pop("max_micro_batch_size", self.max_micro_batch_size)
+        self.sampler.load_state_dict(state)
+        self.max_micro_batch_size = micro
+        self._planned.clear()
+        self._pending.clear()
+        self._exhausted = False
+        if self._torch_loader is not None and self._iterator is not None:
+            self._iterator = iter(self._torch_loader)

@@ -1,0 +1,253 @@
+"""`AdaptiveBatchSampler`: exact data coverage under a batch size that changes every step.
+
+The sampler owns the position in the data stream. Each epoch has one fixed order (a function of
+``(seed, epoch)`` alone); every global batch is the next ``batch_size`` indices of that order, and each rank
+receives a contiguous share of it. Because the position is counted in *global samples*, not in batches,
+any sequence of batch sizes and any world size cover each epoch exactly once, and a state saved under one
+world size resumes under another.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator
+
+import numpy as np
+
+from .._validation import check_batch_size, check_positive_int
+
+logger = logging.getLogger("batchpilot")
+
+_FORMAT = "batchpilot.AdaptiveBatchSampler"
+_VERSION = 1
+_STATE_KEYS = ("num_samples", "seed", "shuffle", "drop_last", "epoch", "offset", "batch_size",
+               "samples_seen", "dropped_samples")
+
+
+def share_bounds(global_size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Return ``(start, stop)`` of ``rank``'s share inside a global batch of ``global_size`` samples.
+
+    Shares are contiguous and differ by at most one sample: the first ``global_size % world_size`` ranks
+    get one extra. A rank's share is empty when ``global_size < world_size`` and ``rank >= global_size``.
+    """
+    base, extra = divmod(global_size, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+class AdaptiveBatchSampler:
+    """A batch sampler whose global batch size can change before any batch.
+
+    Iterating yields, for each global batch of the current epoch, the list of dataset indices that form
+    this rank's share. ``set_batch_size(n)`` sets the global size of the next batch to be yielded.
+
+    Guarantees, for any sequence of ``set_batch_size`` calls and any ``world_size``:
+
+    * within an epoch the union over ranks of all shares is exactly ``range(num_samples)``, each index
+      once (with ``drop_last=True`` the incomplete final batch, if any, is dropped and counted in
+      ``dropped_samples``);
+    * all ranks agree on every global size, and shares differ by at most one index; a rank whose share
+      of a small final batch is empty still yields (an empty list), so every rank yields the same number
+      of batches and no DDP collective hangs;
+    * the order is a deterministic function of ``(seed, epoch)``, independent of the sizes chosen;
+    * ``state_dict()`` is JSON-serialisable, and ``load_state_dict()`` on a fresh sampler, with any world
+      size, continues with exactly the remaining indices.
+
+    Args:
+        num_samples: Dataset length (> 0).
+        batch_size: Initial global batch size (samples over all ranks).
+        shuffle: Shuffle each epoch (with ``seed`` and the epoch number); else natural order.
+        seed: Seed of the per-epoch permutation; must be equal on all ranks.
+        drop_last: Drop an epoch's final batch when it would be smaller than the requested size.
+        rank: This process's rank, ``0 <= rank < world_size``.
+        world_size: Number of ranks sharing each global batch.
+
+    Raises:
+        TypeError, ValueError: an argument is of the wrong type or out of range; the message names it.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if isinstance(num_samples, int) and not isinstance(num_samples, bool) and num_samples == 0:
+            raise ValueError(
+                "num_samples is 0: the dataset is empty, so there is nothing to sample; "
+                "check that the dataset was loaded."
+            )
+        self.num_samples = check_positive_int(num_samples, "num_samples")
+        self._batch_size = check_batch_size(batch_size)
+        self.world_size = check_positive_int(world_size, "world_size")
+        self.rank = check_positive_int(rank, "rank", minimum=0)
+        if self.rank >= self.world_size:
+            raise ValueError(
+                f"rank={self.rank} must be < world_size={self.world_size}; ranks count from 0."
+            )
+        self.seed = check_positive_int(seed, "seed", minimum=0)
+        self.shuffle = bool(shuffle)
+        self.drop_last = bool(drop_last)
+        self.epoch = 0
+        self.offset = 0
+        self.samples_seen = 0
+        self.dropped_samples = 0
+        self._order_epoch = -1
+        self._order: np.ndarray | None = None
+
+    # ---------------------------------------------------------------- size and position
+    @property
+    def batch_size(self) -> int:
+        """Global size of the next batch to be yielded."""
+        return self._batch_size
+
+    def set_batch_size(self, batch_size: int) -> None:
+        """Set the global size of the next batch (and of the ones after it, until changed again)."""
+        self._batch_size = check_batch_size(batch_size)
+
+    @property
+    def coverage(self) -> float:
+        """Fraction of the current epoch already consumed, in ``[0, 1)``."""
+        return self.offset / self.num_samples
+
+    @property
+    def virtual_epoch(self) -> float:
+        """``samples_seen / num_samples``: passes over the data, fractional (seed 003's logged ``epoch``)."""
+        return self.samples_seen / self.num_samples
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning, unless it is already the current epoch (resume-safe)."""
+        epoch = check_positive_int(epoch, "epoch", minimum=0)
+        if epoch != self.epoch:
+            self.epoch, self.offset = epoch, 0
+
+    def order(self, epoch: int | None = None) -> np.ndarray:
+        """The full index order of ``epoch`` (default: the current one), a function of (seed, epoch)."""
+        epoch = self.epoch if epoch is None else epoch
+        if epoch != self._order_epoch:
+            if self.shuffle:
+                rng = np.random.default_rng([self.seed, epoch])
+                self._order = rng.permutation(self.num_samples)
+            else:
+                self._order = np.arange(self.num_samples)
+            self._order.setflags(write=False)  # shared with callers (and batch views): never mutable
+            self._order_epoch = epoch
+        assert self._order is not None
+        return self._order
+
+    # ---------------------------------------------------------------- batches
+    def next_global_batch(self) -> np.ndarray | None:
+        """Advance by one global batch and return all its indices, or ``None`` at the end of the epoch.
+
+        At the end of an epoch the position rolls over to the next epoch (``offset`` 0), and ``None`` is
+        returned once, so that a ``for`` loop over the sampler covers exactly one epoch.
+        """
+        remaining = self.num_samples - self.offset
+        size = min(self._batch_size, remaining)
+        if self.drop_last and size < self._batch_size:
+            self.dropped_samples += remaining
+            logger.info(
+                "drop_last: dropped the final %d samples of epoch %d (batch size %d)",
+                remaining, self.epoch, self._batch_size,
+            )
+            self.epoch, self.offset = self.epoch + 1, 0
+            return None
+        batch = self.order()[self.offset : self.offset + size]
+        self.offset += size
+        self.samples_seen += size
+        if self.offset == self.num_samples:
+            self.epoch, self.offset = self.epoch + 1, 0
+        return batch
+
+    def local_share(self, global_batch: np.ndarray) -> np.ndarray:
+        """This rank's contiguous share of ``global_batch``."""
+        start, stop = share_bounds(len(global_batch), self.rank, self.world_size)
+        return global_batch[start:stop]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """Yield this rank's share of each remaining global batch of the current epoch."""
+        start_epoch = self.epoch
+        while self.epoch == start_epoch:
+            batch = self.next_global_batch()
+            if batch is None:
+                return
+            yield self.local_share(batch).tolist()
+            # The last batch of an epoch rolls the position over: stop here, not one batch later.
+
+    def __len__(self) -> int:
+        """Batches left in the current epoch if the batch size stays as it is now."""
+        remaining = self.num_samples - self.offset
+        full, rest = divmod(remaining, self._batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable position; restorable under any rank and world size."""
+        return {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "num_samples": self.num_samples,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "epoch": self.epoch,
+            "offset": self.offset,
+            "batch_size": self._batch_size,
+            "samples_seen": self.samples_seen,
+            "dropped_samples": self.dropped_samples,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (from :meth:`state_dict`, possibly under another world size).
+
+        The state is checked whole before anything changes: a rejected state leaves the sampler as it was.
+
+        Raises:
+            ValueError: ``state`` is not a sampler state (foreign, from another version, incomplete or
+                corrupt), or describes a different dataset or order.
+        """
+        if not isinstance(state, dict) or state.get("format") != _FORMAT:
+            raise ValueError(
+                f"not an AdaptiveBatchSampler state (format={state.get('format') if isinstance(state, dict) else type(state).__name__!r}); "
+                "pass the dict returned by AdaptiveBatchSampler.state_dict()."
+            )
+        if state.get("version") != _VERSION:
+            raise ValueError(
+                f"sampler state has version={state.get('version')!r}, but this batchpilot reads version "
+                f"{_VERSION}; resume with the batchpilot release that wrote it."
+            )
+        missing = [key for key in _STATE_KEYS if key not in state]
+        if missing:
+            raise ValueError(
+                f"sampler state is missing {', '.join(missing)}; "
+                "pass the unmodified dict returned by AdaptiveBatchSampler.state_dict()."
+            )
+        for key in ("num_samples", "seed", "shuffle"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"sampler state has {key}={state[key]!r} but this sampler has {key}={getattr(self, key)!r}; "
+                    "resume with the same dataset, seed and shuffle setting."
+                )
+        try:  # a corrupt field is a bad state (ValueError), whatever its type
+            counts = {
+                key: check_positive_int(state[key], f"sampler state's {key}", minimum=0)
+                for key in ("epoch", "offset", "samples_seen", "dropped_samples")
+            }
+            batch_size = check_batch_size(state["batch_size"], "sampler state's batch_size")
+        except TypeError as err:
+            raise ValueError(str(err)) from err
+        if counts["offset"] >= self.num_samples:
+            raise ValueError(f"sampler state has offset={counts['offset']}, outside [0, {self.num_samples}).")
+        if not isinstance(state["drop_last"], bool):
+            raise ValueError(f"sampler state has drop_last={state['drop_last']!r}; it must be True or False.")
+        self.drop_last = state["drop_last"]
+        self.epoch = counts["epoch"]
+        self.offset = counts["offset"]
+        self._batch_size = batch_size
+        self.samples_seen = counts["samples_seen"]
+        self.dropped_samples = counts["dropped_samples"]

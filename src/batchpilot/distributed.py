@@ -1,0 +1,79 @@
+"""The one place where batchpilot talks to ``torch.distributed``.
+
+Controllers and statistics never communicate; the engine calls these helpers. Every helper is a no-op
+(or the identity) when the job runs as a single process, so the same code path serves both.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def is_distributed() -> bool:
+    """True when a default process group is initialised with more than one rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank_and_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+    """Resolve ``(rank, world_size)``: explicit values win, then the process group, then ``(0, 1)``."""
+    if dist.is_available() and dist.is_initialized():
+        rank = dist.get_rank() if rank is None else rank
+        world_size = dist.get_world_size() if world_size is None else world_size
+    return (0 if rank is None else rank), (1 if world_size is None else world_size)
+
+
+def _comm_device() -> torch.device:
+    """Device for small collective tensors: CUDA under NCCL, CPU otherwise (gloo)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_int(value: int, src: int = 0) -> int:
+    """Broadcast one integer from ``src`` (a tensor broadcast: cheaper than pickling an object)."""
+    if not is_distributed():
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_comm_device())
+    dist.broadcast(t, src=src)
+    return int(t.item())
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """Sum a small float64 tensor over ranks (in place when distributed) and return it."""
+    if is_distributed():
+        device = _comm_device()
+        moved = values.to(device)
+        dist.all_reduce(moved, op=dist.ReduceOp.SUM)
+        values = moved.to(values.device)
+    return values
+
+
+def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
+    """Sum the gradients of ``params`` over ranks, flattened into one buffer per dtype.
+
+    Used when the model is not wrapped in DistributedDataParallel: the engine has already weighted each
+    rank's loss by its share of the global batch, so a plain sum gives the global-batch mean gradient.
+    """
+    if not is_distributed():
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    device = _comm_device()
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(device)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[offset : offset + n].view_as(g))
+            offset += n
+
+
+def barrier() -> None:
+    """Wait for all ranks (no-op on one process)."""
+    if is_distributed():
+        dist.barrier()

@@ -1,0 +1,714 @@
+"""`Pilot`: the helper that runs adaptive-batch training inside the user's own loop.
+
+The user's loop stays a loop over micro-batches::
+
+    for x, y in pilot.batches(epochs=10):
+        pilot.backward(loss_fn(model(x), y))
+
+Between the last micro-batch of a step and the first of the next, the generator runs the step's end:
+gradient all-reduce (when the model is not DDP-wrapped), non-finite check, clipping, optimizer step, LR
+coupling and schedules, logging, the controller's decision (rank 0 decides, every rank applies the
+broadcast value), and checkpointing. A decision made after step t is the size of step t+1.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import math
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from . import distributed as bpdist
+from ._validation import check_batch_size, check_bounds, check_choice, check_positive_int
+from .checkpoint import (
+    CheckpointError,
+    checkpoint_path,
+    latest_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+)
+from .clipping import StatsClip, grad_norm
+from .controllers.base import Controller, Observation, validate_decision
+from .data.loader import AdaptiveDataLoader, MicroBatch
+from .logs import AdjustmentLog, ProgressBar, TensorBoardSink
+from .lr import LRCoupling, SampleLRSchedule
+
+logger = logging.getLogger("batchpilot")
+
+StepCallback = Callable[["Pilot", dict], None]
+
+
+class Pilot:
+    """Adaptive global batch size for a user-written PyTorch training loop.
+
+    Args:
+        model: The model (optionally wrapped in ``DistributedDataParallel``).
+        optimizer: Its optimizer.
+        dataset: A map-style dataset with ``__len__``.
+        batch_size: Global batch size of the first step.
+        controller: A :class:`~batchpilot.controllers.Controller`, or any callable
+            ``(step, current_size) -> size`` (seed 003's scheduler signature); ``None`` keeps the size.
+        decide_every: Ask the controller after every ``decide_every``-th step.
+        min_batch_size, max_batch_size: Bounds every decision is clamped to (logged when it happens).
+        on_invalid: ``"raise"`` when a controller returns 0, a negative, NaN or a non-integer, or
+            ``"keep"`` to keep the current size and log a warning.
+        max_micro_batch_size: Most samples per forward/backward on one rank; larger shares are
+            accumulated over several micro-batches (``None``: one micro-batch per step).
+        lr_rule: How the learning rate follows the batch size: ``"none"``, ``"linear"`` (Goyal et al.
+            2017), ``"sqrt"`` (Malladi et al. 2022), ``"linear-then-sqrt"`` (seed 002, knee ``lr_knee``)
+            or a callable ``ratio -> factor``; applied on top of ``lr_schedulers``.
+        base_batch_size: The batch size at which the optimizer's LR is right (default: ``batch_size``).
+        lr_knee: Knee of ``"linear-then-sqrt"``.
+        lr_schedulers: torch LR schedulers (stepped once per step) and/or
+            :class:`~batchpilot.lr.SampleLRSchedule` (stepped with ``samples_seen``).
+        shuffle, seed, drop_last: Data order (see :class:`~batchpilot.AdaptiveBatchSampler`).
+        num_workers, collate_fn, pin_memory, prefetch_factor: Data loading (see
+            :class:`~batchpilot.AdaptiveDataLoader`).
+        amp: ``None``, ``"bf16"`` (autocast to bfloat16, CPU or CUDA) or ``"fp16"`` (CUDA, with a GradScaler).
+        grad_clip: ``None``, a max global norm, or ``"stats"`` (:class:`~batchpilot.clipping.StatsClip`).
+        skip_nonfinite: Skip the optimizer step when the loss or gradient norm is not finite.
+        device: Where micro-batches are moved (default: the device of the model's first parameter).
+        log_path: JSONL adjustment log (rank 0 writes it).
+        tensorboard_dir: Also write step metrics to TensorBoard (needs ``batchpilot[tensorboard]``).
+        progress: Show a progress bar (``None``: when stderr is a terminal).
+        checkpoint_dir, checkpoint_every, keep_checkpoints: Save a checkpoint every N steps into the folder,
+            keeping the newest ``keep_checkpoints``.
+        loss_reduction: Whether the loss given to :meth:`backward` is the ``"mean"`` or the ``"sum"``
+            over its micro-batch.
+        loss_history: How many recent step losses an :class:`Observation` carries.
+        rank, world_size: Override what ``torch.distributed`` reports (for tests).
+
+    Raises:
+        ValueError, TypeError: invalid arguments (all problems are reported at once).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dataset: torch.utils.data.Dataset,
+        *,
+        batch_size: int,
+        controller: Controller | Callable[[int, int], int] | None = None,
+        decide_every: int = 1,
+        min_batch_size: int | None = None,
+        max_batch_size: int | None = None,
+        on_invalid: str = "raise",
+        max_micro_batch_size: int | None = None,
+        lr_rule: str | Callable[[float], float] = "none",
+        base_batch_size: int | None = None,
+        lr_knee: int = 4096,
+        lr_schedulers: Sequence[Any] = (),
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+        amp: str | None = None,
+        grad_clip: float | str | None = None,
+        skip_nonfinite: bool = True,
+        device: torch.device | str | None = None,
+        log_path: str | os.PathLike | None = None,
+        tensorboard_dir: str | os.PathLike | None = None,
+        progress: bool | None = None,
+        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_every: int | None = None,
+        keep_checkpoints: int = 2,
+        loss_reduction: str = "mean",
+        loss_history: int = 50,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        problems = _collect_problems(
+            batch_size=lambda: check_batch_size(batch_size),
+            decide_every=lambda: check_positive_int(decide_every, "decide_every"),
+            bounds=lambda: check_bounds(min_batch_size, max_batch_size),
+            on_invalid=lambda: check_choice(on_invalid, "on_invalid", ("raise", "keep")),
+            amp=lambda: check_choice(amp, "amp", (None, "bf16", "fp16")),
+            loss_reduction=lambda: check_choice(loss_reduction, "loss_reduction", ("mean", "sum")),
+            loss_history=lambda: check_positive_int(loss_history, "loss_history"),
+            keep_checkpoints=lambda: check_positive_int(keep_checkpoints, "keep_checkpoints"),
+            checkpoint_every=lambda: checkpoint_every is None or check_positive_int(checkpoint_every, "checkpoint_every"),
+            grad_clip=lambda: _check_grad_clip(grad_clip),
+            controller=lambda: _check_controller(controller),
+        )
+        if not problems and checkpoint_every is not None and checkpoint_dir is None:
+            problems.append("checkpoint_every is set but checkpoint_dir is None; pass checkpoint_dir=... too.")
+        if not problems:
+            lo, hi = min_batch_size, max_batch_size
+            if (lo is not None and batch_size < lo) or (hi is not None and batch_size > hi):
+                problems.append(f"batch_size={batch_size} lies outside [min_batch_size={lo}, max_batch_size={hi}].")
+        if problems:
+            raise ValueError("invalid Pilot arguments:\n  - " + "\n  - ".join(problems))
+
+        self.model = model
+        self.optimizer = optimizer
+        self.rank, self.world_size = bpdist.rank_and_world(rank, world_size)
+        if self.world_size > 1 and not bpdist.is_distributed():
+            raise ValueError(
+                f"world_size={self.world_size} but torch.distributed is not initialised; call "
+                "torch.distributed.init_process_group first (torchrun sets it up), or use world_size=1."
+            )
+        self._ddp = isinstance(model, DistributedDataParallel)
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        if not self._params:
+            raise ValueError("the model has no parameter with requires_grad=True: there is nothing to train.")
+        self.device = torch.device(device) if device is not None else self._params[0].device
+        self.loader = AdaptiveDataLoader(
+            dataset,
+            batch_size,
+            max_micro_batch_size=max_micro_batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            rank=self.rank,
+            world_size=self.world_size,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            prefetch_factor=prefetch_factor,
+        )
+        self.num_samples = self.loader.sampler.num_samples
+        self.controller = _as_controller(controller)
+        self.decide_every = decide_every
+        self.min_batch_size, self.max_batch_size = min_batch_size, max_batch_size
+        self.on_invalid = on_invalid
+        self.coupling = LRCoupling(optimizer, base_batch_size or batch_size, rule=lr_rule, knee=lr_knee)
+        self.lr_schedulers = list(lr_schedulers)
+        self.amp = amp
+        if amp == "fp16" and self.device.type != "cuda":
+            raise ValueError(f"amp='fp16' needs a CUDA device (got {self.device}); use amp='bf16' on CPU.")
+        self.scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
+        self.grad_clip = grad_clip
+        self._stats_clip = StatsClip() if grad_clip == "stats" else None
+        self.skip_nonfinite = skip_nonfinite
+        self.loss_reduction = loss_reduction
+        self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
+        self.checkpoint_every = checkpoint_every
+        self.keep_checkpoints = keep_checkpoints
+        self._lead = self.rank == 0
+        self._log = AdjustmentLog(log_path) if (log_path is not None and self._lead) else None
+        self._tb = TensorBoardSink(tensorboard_dir) if (tensorboard_dir is not None and self._lead) else None
+        self._progress_enabled = progress if self._lead else False
+        self._callbacks: list[StepCallback] = []
+
+        # Counters of *consumed* data (the loader may have planned further ahead).
+        self.step = 0
+        self.samples_seen = 0
+        self.skipped_steps = 0
+        self._losses: collections.deque[float] = collections.deque(maxlen=loss_history)
+        self._throughput: float | None = None
+        self._override: int | None = None
+        self.last_record: dict[str, Any] = {}
+        self.last_decision: dict[str, Any] | None = None
+        # Per-micro-batch bookkeeping between a yield and the matching backward().
+        self._micro: MicroBatch | None = None
+        self._backward_done = False
+        self._loss_sum = torch.zeros((), dtype=torch.float64)
+        self._step_clock = time.perf_counter()
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def batch_size(self) -> int:
+        """Global batch size of the next step."""
+        return self._override if self._override is not None else self.loader.batch_size
+
+    @property
+    def epoch(self) -> int:
+        """Full passes over the data completed."""
+        return self.loader.position()[0]
+
+    @property
+    def coverage(self) -> float:
+        """Fraction of the current pass consumed, in ``[0, 1)``."""
+        return self.loader.position()[1] / self.num_samples
+
+    @property
+    def virtual_epoch(self) -> float:
+        """``samples_seen / len(dataset)`` (seed 003's logged ``epoch``)."""
+        return self.samples_seen / self.num_samples
+
+    def add_callback(self, fn: StepCallback) -> None:
+        """Call ``fn(pilot, record)`` after every step (on every rank), e.g. to evaluate."""
+        self._callbacks.append(fn)
+
+    def set_batch_size(self, batch_size: int) -> None:
+        """Use ``batch_size`` from the next step on (overrides the controller's next decision)."""
+        self._override = check_batch_size(batch_size)
+        if self._micro is None:  # between steps: apply now
+            self._apply_batch_size(self._override)
+            self._override = None
+
+    # ------------------------------------------------------------------ the loop
+    def batches(
+        self, epochs: int | None = None, max_steps: int | None = None, max_samples: int | None = None
+    ) -> Iterator[Any]:
+        """Yield micro-batches (moved to ``device``) until a stop condition holds.
+
+        The limits are totals since the start of training, so the same call continues correctly after
+        :meth:`load_checkpoint`: ``epochs`` full passes, ``max_steps`` optimizer steps, ``max_samples``
+        samples. At least one is required; training stops at the first step boundary where one holds.
+
+        Call :meth:`backward` exactly once per yielded micro-batch.
+        """
+        if epochs is None and max_steps is None and max_samples is None:
+            raise ValueError("batches() needs a stop condition: pass epochs=, max_steps= or max_samples=.")
+        for name, value in (("epochs", epochs), ("max_steps", max_steps), ("max_samples", max_samples)):
+            if value is not None:
+                check_positive_int(value, name, minimum=0)
+        total = epochs * self.num_samples if epochs is not None else max_samples
+        bar = ProgressBar(None if total is None else max(total - self.samples_seen, 0), self._progress_enabled)
+
+        def done() -> bool:
+            return (
+                (epochs is not None and self.epoch >= epochs)
+                or (max_steps is not None and self.step >= max_steps)
+                or (max_samples is not None and self.samples_seen >= max_samples)
+            )
+
+        if not self.coupling.is_scaled:
+            self.coupling.scale(self.batch_size)
+        self._step_clock = time.perf_counter()
+        try:
+            while not done():
+                steps_before, full_epoch = self.step, self.loader.position()[1] == 0
+                for micro in self.loader:
+                    yield from self._run_micro(micro)
+                    if micro.is_last:
+                        self._finish_step(micro, bar)
+                        if done():
+                            return
+                if self.step == steps_before and full_epoch:
+                    raise RuntimeError(
+                        f"an epoch produced no step: batch_size={self.loader.batch_size} exceeds the dataset size "
+                        f"{self.num_samples} with drop_last=True; lower the batch size or set drop_last=False."
+                    )
+        finally:
+            if self.coupling.is_scaled:
+                self.coupling.unscale()
+            self._micro = None
+            bar.close()
+            if self._log is not None:
+                self._log.flush()
+
+    def _run_micro(self, micro: MicroBatch) -> Iterator[Any]:
+        self._micro = micro
+        self._backward_done = False
+        with contextlib.ExitStack() as stack:
+            if self._ddp and not micro.is_last:
+                stack.enter_context(self.model.no_sync())  # type: ignore[operator]
+            if self.amp is not None:
+                dtype = torch.bfloat16 if self.amp == "bf16" else torch.float16
+                stack.enter_context(torch.autocast(self.device.type, dtype=dtype))
+            yield _to_device(micro.data, self.device)
+        if not self._backward_done:
+            raise RuntimeError(
+                "pilot.backward(loss) was not called for the last micro-batch; call it exactly once per "
+                "micro-batch yielded by pilot.batches()."
+            )
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss`` weighted so the step's gradient is the mean over the global batch.
+
+        With ``loss_reduction="mean"`` a micro-batch of ``n`` samples in a global batch of ``B`` is weighted
+        ``n / B`` (times the world size under DDP, which averages over ranks), so the accumulated gradient
+        equals the gradient of the mean loss over all ``B`` samples, whatever the split.
+
+        Raises:
+            RuntimeError: called outside :meth:`batches` or twice for one micro-batch.
+            ValueError: ``loss`` is not a scalar tensor.
+        """
+        micro = self._micro
+        if micro is None:
+            raise RuntimeError("pilot.backward() was called outside a `for batch in pilot.batches(...)` loop.")
+        if self._backward_done:
+            raise RuntimeError("pilot.backward() was called twice for one micro-batch; call it once per micro-batch.")
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ValueError(
+                f"pilot.backward() needs a scalar loss tensor, got {type(loss).__name__} "
+                f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; reduce it with .mean() first."
+            )
+        n = micro.size  # 0 for a ghost micro-batch
+        per_sample = n if self.loss_reduction == "mean" else 1
+        self._loss_sum += loss.detach().double().cpu() * per_sample if n else 0.0
+        weight = (per_sample if n else 0) / micro.global_size
+        if self._ddp:
+            weight *= self.world_size  # DDP divides the summed gradients by the world size
+        scaled = loss * weight
+        if self.scaler is not None:
+            scaled = self.scaler.scale(scaled)
+        scaled.backward()
+        self._backward_done = True
+
+    # ------------------------------------------------------------------ step end
+    def _finish_step(self, micro: MicroBatch, bar: ProgressBar) -> None:
+        size = micro.global_size
+        if self.world_size > 1 and not self._ddp:
+            bpdist.all_reduce_gradients(self._params)
+        loss_sum = bpdist.all_reduce_sum(self._loss_sum.reshape(1)) if self.world_size > 1 else self._loss_sum
+        loss = float(loss_sum.sum()) / size
+        self._loss_sum = torch.zeros((), dtype=torch.float64)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        norm = grad_norm(self._params) if (self.skip_nonfinite or self.grad_clip is not None) else float("nan")
+        finite = math.isfinite(loss) and (math.isfinite(norm) or not self.skip_nonfinite)
+        lr = self.optimizer.param_groups[0]["lr"]
+        skipped = False
+        if self.skip_nonfinite and not finite and self.scaler is None:
+            skipped = True
+            self.skipped_steps += 1
+            self._event("skipped_step", {"loss": loss, "grad_norm": norm})
+        else:
+            self._clip(norm)
+            if self.scaler is not None:
+                scale_before = self.scaler.get_scale()
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+                if self.scaler.get_scale() < scale_before:
+                    skipped = True
+                    self.skipped_steps += 1
+            else:
+                self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        self.step += 1
+        self.samples_seen += size
+        self.coupling.unscale()
+        for scheduler in self.lr_schedulers:
+            if isinstance(scheduler, SampleLRSchedule):
+                scheduler.step(self.samples_seen)
+            else:
+                scheduler.step()
+
+        now = time.perf_counter()
+        step_time = now - self._step_clock
+        rate = size / step_time if step_time > 0 else float("nan")
+        self._throughput = rate if self._throughput is None else 0.9 * self._throughput + 0.1 * rate
+        if not skipped:
+            self._losses.append(loss)
+        epoch, offset, _ = self.loader.position()
+        record = {
+            "step": self.step,
+            "samples_seen": self.samples_seen,
+            "epoch": epoch,
+            "coverage": offset / self.num_samples,
+            "virtual_epoch": self.samples_seen / self.num_samples,
+            "batch/global_size": size,
+            "batch/local_size": micro.local_size,
+            "batch/accumulation_steps": micro.accumulation_steps,
+            "loss": loss,
+            "lr": lr,
+            "grad/norm": norm,
+            "perf/step_time_s": step_time,
+            "perf/samples_per_s": rate,
+            "train/skipped_steps": self.skipped_steps,
+        }
+        self.last_record = record
+        if self._log is not None:
+            self._log.write("step", record)
+        if self._tb is not None:
+            self._tb.write(record)
+        bar.update(size, record)
+
+        self._micro = None  # between steps from here on
+        self._decide(record)
+        self.coupling.scale(self.batch_size)
+        for fn in self._callbacks:
+            fn(self, record)
+        if self.checkpoint_every is not None and self.step % self.checkpoint_every == 0:
+            self.save_checkpoint()
+        self._step_clock = time.perf_counter()
+
+    def _clip(self, norm: float) -> None:
+        if self.grad_clip is None:
+            return
+        if self._stats_clip is not None:
+            threshold = self._stats_clip.threshold()
+            self._stats_clip.observe(norm)
+        else:
+            threshold = float(self.grad_clip)
+        if threshold is not None and math.isfinite(norm) and norm > threshold:
+            factor = threshold / (norm + 1e-6)
+            for p in self._params:
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+
+    def _decide(self, record: dict[str, Any]) -> None:
+        current = self.loader.batch_size
+        if self._override is not None:
+            new, note, source = self._override, "set_batch_size() override", "user"
+            self._override = None
+        elif self.controller is not None and self.step % self.decide_every == 0:
+            source = _name(self.controller)
+            new, note = current, None
+            if self._lead:
+                try:
+                    raw = self.controller.decide(self._observation(current))
+                    new, note = validate_decision(
+                        raw,
+                        current=current,
+                        min_size=self.min_batch_size,
+                        max_size=self.max_batch_size,
+                        on_invalid=self.on_invalid,
+                        source=source,
+                    )
+                except Exception:
+                    bpdist.broadcast_int(-1)  # tell the other ranks, so they fail too instead of hanging
+                    raise
+            new = bpdist.broadcast_int(new)
+            if new < 1:
+                raise RuntimeError("rank 0's controller failed (see rank 0's error); stopping this rank too.")
+        else:
+            return
+        if new != current or note is not None:
+            decision = {
+                "step": self.step,
+                "samples_seen": self.samples_seen,
+                "old_size": current,
+                "new_size": new,
+                "controller": source,
+                "note": note,
+                "inputs": {k: record[k] for k in ("loss", "perf/samples_per_s", "epoch", "coverage", "grad/norm")},
+            }
+            self.last_decision = decision
+            if self._log is not None:
+                self._log.write("decision", decision)
+        self._apply_batch_size(new)
+
+    def _apply_batch_size(self, size: int) -> None:
+        self.loader.set_batch_size(size)
+
+    def _observation(self, current: int) -> Observation:
+        epoch, offset, _ = self.loader.position()
+        return Observation(
+            step=self.step,
+            samples_seen=self.samples_seen,
+            epoch=epoch,
+            coverage=offset / self.num_samples,
+            batch_size=current,
+            num_samples=self.num_samples,
+            losses=tuple(self._losses),
+            samples_per_s=self._throughput,
+            stats={"grad/norm": self.last_record.get("grad/norm", float("nan"))},
+        )
+
+    def _event(self, kind: str, data: dict[str, Any]) -> None:
+        logger.warning("step %d: %s %s", self.step + 1, kind, data)
+        if self._log is not None:
+            self._log.write("event", {"step": self.step + 1, "event": kind, **data})
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly: model, optimizer, scaler, schedulers, data position,
+        controller, LR coupling, clipping statistics, RNG states and the log position.
+
+        Call it between steps. Under DDP every rank must call it (RNG states are gathered)."""
+        if self._micro is not None:
+            raise RuntimeError("state_dict() was called in the middle of a step; call it between steps.")
+        module = self.model.module if self._ddp else self.model
+        return {
+            "pilot": {
+                "step": self.step,
+                "samples_seen": self.samples_seen,
+                "skipped_steps": self.skipped_steps,
+                "losses": list(self._losses),
+                "throughput": self._throughput,
+                "world_size": self.world_size,
+            },
+            "model": module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            "lr_schedulers": [s.state_dict() for s in self.lr_schedulers],
+            "coupling": self.coupling.state_dict(),
+            "loader": self.loader.state_dict(),
+            "controller": None if self.controller is None else self.controller.state_dict(),
+            "stats_clip": None if self._stats_clip is None else self._stats_clip.state_dict(),
+            "rng": _gather_rng(self.world_size),
+            "log_position": None if self._log is None else self._log.position(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (possibly saved under another world size)."""
+        p = state["pilot"]
+        self.step, self.samples_seen, self.skipped_steps = int(p["step"]), int(p["samples_seen"]), int(p["skipped_steps"])
+        self._losses = collections.deque(p["losses"], maxlen=self._losses.maxlen)
+        self._throughput = p["throughput"]
+        module = self.model.module if self._ddp else self.model
+        module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        if len(state["lr_schedulers"]) != len(self.lr_schedulers):
+            raise CheckpointError(
+                f"the checkpoint has {len(state['lr_schedulers'])} LR schedulers but this Pilot has "
+                f"{len(self.lr_schedulers)}; build the Pilot with the same lr_schedulers."
+            )
+        for scheduler, s in zip(self.lr_schedulers, state["lr_schedulers"]):
+            scheduler.load_state_dict(s)
+        self.coupling.load_state_dict(state["coupling"])
+        self.loader.load_state_dict(state["loader"])
+        if self.controller is not None and state["controller"] is not None:
+            self.controller.load_state_dict(state["controller"])
+        if self._stats_clip is not None and state["stats_clip"] is not None:
+            self._stats_clip.load_state_dict(state["stats_clip"])
+        _restore_rng(state["rng"], self.rank, self.world_size)
+        if self._log is not None and state["log_position"] is not None:
+            self._log.truncate(state["log_position"])
+
+    def save_checkpoint(self, path: str | os.PathLike | None = None) -> Path | None:
+        """Save :meth:`state_dict` atomically (rank 0 writes; every rank must call).
+
+        ``path`` defaults to ``checkpoint_dir/step-<step>.pt``; older files beyond ``keep_checkpoints``
+        in ``checkpoint_dir`` are removed. Returns the path on rank 0, ``None`` elsewhere."""
+        if path is None:
+            if self.checkpoint_dir is None:
+                raise ValueError("save_checkpoint() needs a path, or a Pilot built with checkpoint_dir=...")
+            path = checkpoint_path(self.checkpoint_dir, self.step)
+        scaled = self.coupling.is_scaled
+        if scaled:  # store the schedule's own LR: batches() re-applies the factor of the loaded batch size
+            self.coupling.unscale()
+        try:
+            state = self.state_dict()
+        finally:
+            if scaled:
+                self.coupling.scale(self.batch_size)
+        written = None
+        if self._lead:
+            written = save_checkpoint(path, state)
+            if self.checkpoint_dir is not None and Path(path).parent == self.checkpoint_dir:
+                prune_checkpoints(self.checkpoint_dir, self.keep_checkpoints)
+        bpdist.barrier()
+        return written
+
+    def load_checkpoint(self, path: str | os.PathLike, *, missing_ok: bool = False) -> Path | None:
+        """Restore from a checkpoint file, or from the newest loadable one in a folder.
+
+        Returns the file loaded, or ``None`` when ``missing_ok`` and the folder holds no checkpoint.
+
+        Raises:
+            CheckpointError: the file is missing (unless ``missing_ok``), truncated, corrupt or foreign.
+        """
+        path = Path(path)
+        if path.is_dir() or (missing_ok and not path.exists()):
+            found = latest_checkpoint(path)
+            if found is None:
+                if missing_ok:
+                    return None
+                raise CheckpointError(f"no loadable checkpoint in {str(path)!r}.")
+            path = found
+        self.load_state_dict(load_checkpoint(path))
+        return path
+
+    def close(self) -> None:
+        """Flush and close the log and TensorBoard writer."""
+        if self._log is not None:
+            self._log.close()
+        if self._tb is not None:
+            self._tb.close()
+
+    def __enter__(self) -> "Pilot":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------- helpers
+def _collect_problems(**checks: Callable[[], Any]) -> list[str]:
+    problems = []
+    for check in checks.values():
+        try:
+            check()
+        except (TypeError, ValueError) as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def _check_grad_clip(value: Any) -> None:
+    if value is None or value == "stats":
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+        raise ValueError(f"grad_clip must be None, a positive finite max-norm or 'stats'; got {value!r}.")
+
+
+def _check_controller(value: Any) -> None:
+    if value is None or isinstance(value, Controller) or callable(value):
+        return
+    raise TypeError(
+        f"controller must be a batchpilot Controller or a callable (step, current_size) -> size; got {type(value).__name__}."
+    )
+
+
+def _as_controller(value: Any) -> Controller | None:
+    if value is None or isinstance(value, Controller):
+        return value
+    from .controllers.schedules import Schedule
+
+    return Schedule(value)
+
+
+def _name(controller: Any) -> str:
+    return getattr(controller, "name", None) or type(controller).__name__
+
+
+def _to_device(data: Any, device: torch.device) -> Any:
+    if isinstance(data, torch.Tensor):
+        return data.to(device, non_blocking=True) if data.device != device else data
+    if isinstance(data, dict):
+        return {k: _to_device(v, device) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        moved = [_to_device(v, device) for v in data]
+        return type(data)(moved) if isinstance(data, tuple) and not hasattr(data, "_fields") else moved
+    return data
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": random.getstate(),
+    }
+
+
+def _gather_rng(world_size: int) -> list[dict[str, Any]]:
+    state = _rng_state()
+    if world_size == 1 or not bpdist.is_distributed():
+        return [state]
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, state)
+    return gathered
+
+
+def _restore_rng(states: list[dict[str, Any]], rank: int, world_size: int) -> None:
+    if len(states) != world_size:
+        logger.warning(
+            "checkpoint holds RNG states of %d ranks, this job has %d: RNG streams are not restored exactly",
+            len(states), world_size,
+        )
+        return
+    state = states[rank]
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    random.setstate(_as_tuple(state["python"]))
+
+
+def _as_tuple(value: Any) -> Any:
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value

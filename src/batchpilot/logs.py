@@ -1,0 +1,155 @@
+"""Where step metrics and batch-size decisions go: a JSONL adjustment log, TensorBoard, a progress bar.
+
+The JSONL log is the full record seed 000 asks for ("keep the complete adjustment log"): one line per
+step (``"type": "step"``) and one per decision (``"type": "decision"``). Its byte position is part of every
+checkpoint, so a resumed run truncates the lines written after the checkpoint and the file reads as if
+the run had never been interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN/inf: write them as strings so every line stays valid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class AdjustmentLog:
+    """Append-only JSONL log of steps and decisions, buffered and resumable.
+
+    Args:
+        path: The ``.jsonl`` file. Created with its folder; an existing file is appended to.
+        flush_every: Lines kept in memory before writing (everything is flushed on checkpoint and close).
+    """
+
+    def __init__(self, path: str | os.PathLike, flush_every: int = 100) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._buffer: list[str] = []
+        self.flush_every = flush_every
+
+    def write(self, kind: str, record: dict[str, Any]) -> None:
+        """Add one record of type ``kind`` ("step", "decision", "event")."""
+        line = json.dumps({"type": kind, **{k: _clean(v) for k, v in record.items()}}, default=str)
+        self._buffer.append(line)
+        if len(self._buffer) >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write buffered lines to disk."""
+        if self._buffer:
+            self._file.write("\n".join(self._buffer) + "\n")
+            self._buffer.clear()
+        self._file.flush()
+
+    def position(self) -> int:
+        """Byte offset after the last record (flushes first): stored in checkpoints."""
+        self.flush()
+        return self._file.tell()
+
+    def truncate(self, position: int) -> None:
+        """Drop everything after ``position`` (records of steps that a resumed run will redo)."""
+        self.flush()
+        size = self.path.stat().st_size
+        if position > size:
+            raise ValueError(
+                f"the checkpoint says the log {str(self.path)!r} had {position} bytes but it has {size}; "
+                "was the log replaced? Pass a fresh log_path to resume."
+            )
+        self._file.truncate(position)
+        self._file.seek(position)
+
+    def close(self) -> None:
+        """Flush and close the file."""
+        if not self._file.closed:
+            self.flush()
+            self._file.close()
+
+
+def read_log(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Read an adjustment log back as a list of records.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is empty or a line is not JSON (the message names the line).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"adjustment log {str(path)!r} does not exist.")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{str(path)!r} line {number} is not JSON ({exc.msg}); is this a batchpilot log?") from exc
+    if not records:
+        raise ValueError(f"adjustment log {str(path)!r} is empty.")
+    return records
+
+
+class TensorBoardSink:
+    """Writes numeric step metrics to TensorBoard, with ``samples_seen`` as the x axis.
+
+    Raises:
+        ImportError: tensorboard is not installed (names the extra to install).
+    """
+
+    def __init__(self, log_dir: str | os.PathLike) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                'tensorboard_dir needs TensorBoard: pip install "batchpilot[tensorboard]"'
+            ) from exc
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+
+    def write(self, record: dict[str, Any]) -> None:
+        x = int(record["samples_seen"])
+        for key, value in record.items():
+            if key not in ("step", "samples_seen") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(key, value, global_step=x)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class ProgressBar:
+    """A tqdm bar over samples (falls back to nothing when tqdm is missing or output is not a terminal)."""
+
+    def __init__(self, total: int | None, enabled: bool | None) -> None:
+        if enabled is None:
+            enabled = sys.stderr.isatty()
+        self._bar = None
+        if enabled:
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:
+                import warnings
+
+                warnings.warn('progress=True needs tqdm: pip install "batchpilot[progress]"', stacklevel=3)
+                return
+            self._bar = tqdm(total=total, unit="sample", unit_scale=True, dynamic_ncols=True)
+
+    def update(self, samples: int, record: dict[str, Any]) -> None:
+        if self._bar is not None:
+            self._bar.update(samples)
+            self._bar.set_postfix(
+                step=record["step"], B=record["batch/global_size"], loss=f"{record['loss']:.4g}", refresh=False
+            )
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

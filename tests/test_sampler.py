@@ -1,0 +1,526 @@
+"""Tests of `AdaptiveBatchSampler`: the exactness and resumability guarantees under random decisions.
+
+The property tests drive every rank of a job (one sampler per rank, as in a real DDP run) through random
+sequences of ``set_batch_size`` calls, and check the guarantees of the class docstring against values
+derived here from first principles (``share_bounds`` is re-derived, not reused).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchpilot.data.sampler import AdaptiveBatchSampler, share_bounds
+from harness import assert_same, assert_state_roundtrip
+
+FAST = settings(max_examples=60, deadline=None)
+
+
+# ------------------------------------------------------------------------------------------- drivers
+def make_job(n: int, world_size: int, **kwargs) -> list[AdaptiveBatchSampler]:
+    """One sampler per rank, built the same way on every rank (as each process of a DDP job would)."""
+    kwargs.setdefault("batch_size", 1)
+    return [AdaptiveBatchSampler(n, rank=r, world_size=world_size, **kwargs) for r in range(world_size)]
+
+
+def expected_shares(global_size: int, world_size: int) -> list[int]:
+    """Share sizes derived by hand: ``global_size`` split as evenly as possible, extras to low ranks."""
+    return [global_size // world_size + (1 if r < global_size % world_size else 0) for r in range(world_size)]
+
+
+def counters(s: AdaptiveBatchSampler) -> dict:
+    return {
+        "epoch": s.epoch, "offset": s.offset, "samples_seen": s.samples_seen,
+        "dropped_samples": s.dropped_samples, "coverage": s.coverage,
+        "virtual_epoch": s.virtual_epoch, "batch_size": s.batch_size,
+    }
+
+
+class Job:
+    """All ranks of a job driven like a training loop: ``step(size)`` is one optimizer step.
+
+    The size is set on every rank before the batch is drawn (the decision of step t+1 is made between
+    steps). When the epoch's iterators end, fresh ones are started, as ``for epoch ...: for batch in
+    loader`` does, and the same size is used for the first batch of the new epoch.
+    """
+
+    def __init__(self, n: int, world_size: int, **kwargs) -> None:
+        self.samplers = make_job(n, world_size, **kwargs)
+        self.iters: list | None = None
+
+    def step(self, size: int) -> list[list[int]]:
+        for s in self.samplers:
+            s.set_batch_size(size)
+        for _ in range(2):
+            if self.iters is None:
+                self.iters = [iter(s) for s in self.samplers]
+            shares = [next(it, None) for it in self.iters]
+            if all(x is None for x in shares):
+                self.iters = None
+                continue
+            assert all(x is not None for x in shares), f"ranks disagree on the end of the epoch: {shares}"
+            return shares
+        raise AssertionError("a fresh epoch yielded no batch")
+
+    def state_dict(self) -> dict:
+        states = [s.state_dict() for s in self.samplers]
+        for r, st_r in enumerate(states[1:], 1):
+            assert st_r == states[0], f"rank {r}'s state differs from rank 0's: the state must not depend on rank"
+        return states[0]
+
+    def load_state_dict(self, state: dict) -> None:
+        for s in self.samplers:
+            s.load_state_dict(state)
+        self.iters = None  # a resumed loop starts new iterators
+
+
+# ------------------------------------------------------------------------------------------- strategies
+@st.composite
+def scenarios(draw, max_n: int = 300):
+    """A dataset length, a job shape and a decision sequence (``sizes[step % len(sizes)]``)."""
+    n = draw(st.integers(1, max_n))
+    drop_last = draw(st.booleans())
+    # Mostly small sizes (many batches per epoch), some large ones, some beyond the dataset.
+    size = st.one_of(st.integers(1, 8), st.integers(1, n + 3))
+    return {
+        "n": n,
+        "world_size": draw(st.integers(1, 4)),
+        "drop_last": drop_last,
+        "shuffle": draw(st.booleans()),
+        "seed": draw(st.integers(0, 2**32 - 1)),
+        "sizes": draw(st.lists(size, min_size=1, max_size=30)),
+    }
+
+
+def expected_len(remaining: int, size: int, drop_last: bool) -> int:
+    return remaining // size if drop_last else math.ceil(remaining / size)
+
+
+# ------------------------------------------------------------------------------------------- per-epoch guarantees
+@FAST
+@given(sc=scenarios(), epochs=st.integers(1, 3))
+def test_each_epoch_covers_every_index_once_on_all_ranks(sc, epochs):
+    n, w, drop_last, sizes = sc["n"], sc["world_size"], sc["drop_last"], sc["sizes"]
+    samplers = make_job(n, w, shuffle=sc["shuffle"], seed=sc["seed"], drop_last=drop_last, batch_size=sizes[0])
+    reference = AdaptiveBatchSampler(n, 7, shuffle=sc["shuffle"], seed=sc["seed"])  # other size, rank, world
+    step, seen, dropped = 0, 0, 0
+    for e in range(epochs):
+        for s in samplers:
+            assert (s.epoch, s.offset, s.coverage) == (e, 0, 0.0)
+        iters = [iter(s) for s in samplers]
+        consumed: list[int] = []
+        while True:
+            request = sizes[step % len(sizes)]
+            # Once the last batch is out, the sampler has rolled over: len() counts the next epoch.
+            remaining = n - len(consumed) if len(consumed) < n else n
+            for s in samplers:
+                s.set_batch_size(request)
+                assert len(s) == expected_len(remaining, request, drop_last)
+            if step % 7 == 3:
+                samplers[0].order(e + 5)  # looking at another epoch's order must not disturb this one
+            shares = [next(it, None) for it in iters]
+            if all(x is None for x in shares):
+                break
+            assert all(x is not None for x in shares), "all ranks must yield the same number of batches"
+            step += 1
+            size = len(sum(shares, []))
+            # Every rank agrees on the global size; shares differ by at most one, extras to low ranks.
+            assert [len(x) for x in shares] == expected_shares(size, w)
+            assert size == (request if drop_last else min(request, n - len(consumed)))
+            consumed += sum(shares, [])  # shares are contiguous, in rank order
+            seen += size
+            for s in samplers:
+                epoch_done = len(consumed) == n
+                assert s.samples_seen == seen
+                assert s.virtual_epoch == seen / n
+                assert s.epoch == e + epoch_done
+                assert s.coverage == (0.0 if epoch_done else len(consumed) / n)
+                assert s.dropped_samples == dropped
+        # The whole epoch: the order of (seed, epoch), whatever the sizes, each index once.
+        order = reference.order(e).tolist()
+        assert sorted(order) == list(range(n))
+        if not sc["shuffle"]:
+            assert order == list(range(n))
+        assert consumed == order[: len(consumed)]
+        missing = n - len(consumed)
+        if drop_last:
+            # Exactly the final incomplete batch is dropped: fewer than the size requested for it.
+            assert missing < request
+        else:
+            assert missing == 0
+        dropped += missing
+        for s in samplers:
+            assert s.dropped_samples == dropped
+            assert (s.epoch, s.offset, s.samples_seen) == (e + 1, 0, seen)
+            assert s.order(e).tolist() == order
+
+
+@FAST
+@given(sc=scenarios(), restore_at=st.integers(0, 60), w2=st.integers(1, 4), data=st.data())
+def test_state_roundtrip_under_another_world_size_continues_exactly(sc, restore_at, w2, data):
+    n, sizes, drop_last = sc["n"], sc["sizes"], sc["drop_last"]
+    if drop_last:
+        # A size beyond the dataset makes every epoch empty under drop_last; tested on its own below.
+        sizes = [min(x, n) for x in sizes]
+    kwargs = dict(shuffle=sc["shuffle"], seed=sc["seed"], drop_last=drop_last)
+    horizon = data.draw(st.integers(1, 40), label="horizon")
+
+    def advance(job: Job, step: int) -> None:
+        job.step(sizes[step % len(sizes)])
+
+    def observe(job: Job, step: int) -> list:
+        out = []
+        for t in range(step, step + horizon):
+            shares = job.step(sizes[t % len(sizes)])
+            assert [len(x) for x in shares] == expected_shares(len(sum(shares, [])), len(shares))
+            out.append((sum(shares, []), counters(job.samplers[-1])))
+        return out
+
+    assert_state_roundtrip(
+        lambda: Job(n, sc["world_size"], batch_size=3, **kwargs),
+        advance, observe,
+        steps=(0, restore_at),
+        make_restored=lambda: Job(n, w2, batch_size=5, **kwargs),
+        advance_before_load=2,
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(sc=scenarios(max_n=80), restore_at=st.integers(0, 40), w2=st.integers(1, 4))
+def test_resumed_epoch_is_exactly_the_remaining_indices(sc, restore_at, w2):
+    """Mid-epoch resume under another world size: old batches + new batches = the epoch, once each."""
+    n, sizes = sc["n"], sc["sizes"]
+    job = Job(n, sc["world_size"], shuffle=sc["shuffle"], seed=sc["seed"], batch_size=1)
+    for t in range(restore_at):
+        job.step(sizes[t % len(sizes)])
+    s0 = job.samplers[0]
+    epoch, done = s0.epoch, s0.order()[: s0.offset].tolist()
+    state = json.loads(json.dumps(s0.state_dict()))
+
+    resumed = make_job(n, w2, shuffle=sc["shuffle"], seed=sc["seed"], batch_size=2)
+    for s in resumed:
+        s.load_state_dict(state)
+        s.set_epoch(epoch)  # what a resumed `for epoch in range(start, E)` loop calls: a no-op here
+    per_rank = [list(s) for s in resumed]
+    assert len({len(batches) for batches in per_rank}) == 1, "ranks yielded different numbers of batches"
+    rest = [idx for shares in zip(*per_rank) for idx in sum(shares, [])]
+    assert sorted(done + rest) == list(range(n))
+    assert done + rest == AdaptiveBatchSampler(n, 1, shuffle=sc["shuffle"], seed=sc["seed"]).order(epoch).tolist()
+    assert all(s.epoch == epoch + 1 for s in resumed)
+
+
+# ------------------------------------------------------------------------------------------- explicit examples
+def test_share_bounds_by_hand():
+    assert [share_bounds(10, r, 4) for r in range(4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert [share_bounds(2, r, 4) for r in range(4)] == [(0, 1), (1, 2), (2, 2), (2, 2)]
+    assert share_bounds(0, 0, 1) == (0, 0)
+
+
+def test_small_final_batch_gives_empty_shares_but_every_rank_yields():
+    ranks = make_job(5, 4, batch_size=3, shuffle=False)
+    per_rank = [list(s) for s in ranks]
+    assert per_rank == [[[0], [3]], [[1], [4]], [[2], []], [[], []]]
+
+
+def test_drop_last_drops_exactly_the_incomplete_final_batch():
+    s = AdaptiveBatchSampler(10, 4, shuffle=False, drop_last=True)
+    assert len(s) == 2
+    assert list(s) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert (s.epoch, s.offset, s.samples_seen, s.dropped_samples) == (1, 0, 8, 2)
+    assert s.virtual_epoch == 0.8
+
+
+def test_drop_last_with_a_size_beyond_the_dataset_drops_the_whole_epoch():
+    s = AdaptiveBatchSampler(5, 8, drop_last=True)
+    assert len(s) == 0
+    assert list(s) == []
+    assert (s.epoch, s.samples_seen, s.dropped_samples) == (1, 0, 5)
+    s.set_batch_size(5)
+    assert len(s) == 1 and len(list(s)) == 1 and s.epoch == 2
+
+
+def test_len_counts_the_batches_left_at_the_current_size():
+    s = AdaptiveBatchSampler(10, 3, shuffle=False)
+    assert len(s) == 4
+    it = iter(s)
+    assert next(it) == [0, 1, 2]
+    assert len(s) == 3  # 7 left at size 3
+    s.set_batch_size(2)
+    assert len(s) == 4
+    assert list(it) == [[3, 4], [5, 6], [7, 8], [9]]
+    assert len(s) == 5  # a new epoch, at size 2
+
+
+@FAST
+@given(n=st.integers(1, 200), size=st.integers(1, 50), drop_last=st.booleans(), first=st.integers(0, 10))
+def test_len_matches_what_iteration_yields_at_a_constant_size(n, size, drop_last, first):
+    s = AdaptiveBatchSampler(n, size, drop_last=drop_last)
+    it = iter(s)
+    for _, _batch in zip(range(first), it):
+        pass
+    if s.epoch == 0:  # else the last batch is out and len() already counts the next epoch
+        assert len(s) == len(list(it))
+    assert len(s) == len(list(s))  # and the next epoch, from its start
+
+
+def test_order_is_a_function_of_seed_and_epoch_only():
+    a = AdaptiveBatchSampler(50, 4, seed=3)
+    b = AdaptiveBatchSampler(50, 17, seed=3, rank=1, world_size=3, drop_last=True)
+    for e in range(3):
+        assert a.order(e).tolist() == b.order(e).tolist()
+    assert a.order(0).tolist() != a.order(1).tolist()
+    assert a.order(0).tolist() != AdaptiveBatchSampler(50, 4, seed=4).order(0).tolist()
+    assert AdaptiveBatchSampler(50, 4, shuffle=False).order(2).tolist() == list(range(50))
+
+
+def test_order_cannot_be_corrupted_by_a_caller():
+    s = AdaptiveBatchSampler(20, 4, shuffle=False)
+    with pytest.raises(ValueError):
+        s.order()[:] = 0
+    batch = s.next_global_batch()
+    with pytest.raises(ValueError):
+        batch[0] = 19
+    assert list(s) == [[4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15], [16, 17, 18, 19]]
+
+
+# ------------------------------------------------------------------------------------------- set_epoch
+def test_set_epoch_to_the_current_epoch_is_a_no_op():
+    s = AdaptiveBatchSampler(10, 3, shuffle=False)
+    it = iter(s)
+    next(it)
+    s.set_epoch(0)
+    assert (s.epoch, s.offset) == (0, 3)
+    assert list(it) == [[3, 4, 5], [6, 7, 8], [9]]
+
+
+def test_set_epoch_to_another_epoch_starts_it_from_the_beginning():
+    s = AdaptiveBatchSampler(10, 3, seed=1)
+    next(iter(s))
+    s.set_epoch(4)
+    assert (s.epoch, s.offset, s.coverage, s.samples_seen) == (4, 0, 0.0, 3)
+    assert sum(list(s), []) == s.order(4).tolist()
+    assert s.epoch == 5
+
+
+def test_the_usual_set_epoch_loop_sees_each_epoch_once_in_order():
+    s = AdaptiveBatchSampler(10, 4, seed=2)
+    seen = []
+    for epoch in range(3):
+        s.set_epoch(epoch)
+        seen.append(sum(list(s), []))
+    assert seen == [s.order(e).tolist() for e in range(3)]
+    assert (s.epoch, s.samples_seen) == (3, 30)
+
+
+@pytest.mark.parametrize("bad, exc, message", [
+    (-1, ValueError, "epoch must be >= 0, got -1"),
+    (1.5, TypeError, "epoch must be an int >= 0, got 1.5"),
+    (True, TypeError, "epoch must be an int, got the bool True"),
+])
+def test_set_epoch_rejects_bad_values(bad, exc, message):
+    s = AdaptiveBatchSampler(10, 3)
+    with pytest.raises(exc, match=message):
+        s.set_epoch(bad)
+    assert s.epoch == 0
+
+
+# ------------------------------------------------------------------------------------------- DataLoader
+def test_plain_dataloader_follows_set_batch_size_between_batches_exactly():
+    n = 23
+    dataset = torch.utils.data.TensorDataset(torch.arange(n) * 10)
+    sampler = AdaptiveBatchSampler(n, 2, seed=5)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=0)
+    assert len(loader) == len(sampler) == 12
+    sizes = iter([2, 5, 1, 7, 3, 4, 6, 2, 9, 1, 3])
+    got, epochs = [], []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        rows = []
+        for (x,) in loader:
+            got.append(len(x))
+            rows += (x // 10).tolist()
+            sampler.set_batch_size(next(sizes, 4))  # decided between steps: the next batch has this size
+        epochs.append(rows)
+    assert epochs == [sampler.order(0).tolist(), sampler.order(1).tolist()]
+    # Epoch 0 (23 samples): 2 initial, then 2 5 1 7 3, then 4 capped at the 3 left. Epoch 1: the size set
+    # after epoch 0's last batch (6) starts it, then 2 9 1 3, then 4 (default) capped at the 2 left.
+    assert got == [2, 2, 5, 1, 7, 3, 3, 6, 2, 9, 1, 3, 2]
+
+
+# ------------------------------------------------------------------------------------------- bad input
+BAD_SIZES = [
+    (0, ValueError, "batch_size must be >= 1, got 0"),
+    (-3, ValueError, "batch_size must be >= 1, got -3"),
+    (2.0, TypeError, r"batch_size must be an int, got the float 2.0; pass int\(2.0\) = 2 instead"),
+    (2.5, TypeError, "batch_size must be an int >= 1, got 2.5 of type float"),
+    (True, TypeError, "batch_size must be an int, got the bool True"),
+    (float("nan"), ValueError, "batch_size must be an int >= 1, got NaN"),
+    ("32", TypeError, "batch_size must be an int >= 1, got '32' of type str"),
+    (None, TypeError, "batch_size must be an int >= 1, got None of type NoneType"),
+]
+
+
+@pytest.mark.parametrize("bad, exc, message", BAD_SIZES)
+def test_bad_batch_size_in_constructor(bad, exc, message):
+    with pytest.raises(exc, match=message):
+        AdaptiveBatchSampler(10, bad)
+
+
+@pytest.mark.parametrize("bad, exc, message", BAD_SIZES)
+def test_bad_batch_size_in_set_batch_size_keeps_the_old_size(bad, exc, message):
+    s = AdaptiveBatchSampler(10, 4)
+    with pytest.raises(exc, match=message):
+        s.set_batch_size(bad)
+    assert s.batch_size == 4
+
+
+def test_numpy_integer_batch_size_is_accepted_as_int():
+    s = AdaptiveBatchSampler(10, np.int64(4))
+    s.set_batch_size(np.int32(3))
+    assert type(s.batch_size) is int and s.batch_size == 3
+    json.dumps(s.state_dict())
+
+
+def test_empty_dataset_says_so():
+    with pytest.raises(ValueError, match="num_samples is 0: the dataset is empty"):
+        AdaptiveBatchSampler(0, 4)
+
+
+@pytest.mark.parametrize("kwargs, exc, message", [
+    (dict(num_samples=-5), ValueError, "num_samples must be >= 1, got -5"),
+    (dict(num_samples=10.0), TypeError, "num_samples must be an int, got the float 10.0"),
+    (dict(rank=2, world_size=2), ValueError, "rank=2 must be < world_size=2; ranks count from 0"),
+    (dict(rank=5, world_size=4), ValueError, "rank=5 must be < world_size=4"),
+    (dict(rank=-1), ValueError, "rank must be >= 0, got -1"),
+    (dict(world_size=0), ValueError, "world_size must be >= 1, got 0"),
+    (dict(seed=-1), ValueError, "seed must be >= 0, got -1"),
+    (dict(seed="0"), TypeError, "seed must be an int >= 0, got '0' of type str"),
+])
+def test_bad_constructor_arguments(kwargs, exc, message):
+    args = dict(num_samples=10, batch_size=4)
+    args.update(kwargs)
+    with pytest.raises(exc, match=message):
+        AdaptiveBatchSampler(args.pop("num_samples"), args.pop("batch_size"), **args)
+
+
+def _state(**changes):
+    s = AdaptiveBatchSampler(10, 3, seed=1)
+    next(iter(s))
+    state = s.state_dict()
+    state.update(changes)
+    return state
+
+
+def _without(key):
+    state = _state()
+    del state[key]
+    return state
+
+
+@pytest.mark.parametrize("state, message", [
+    ([1, 2], "not an AdaptiveBatchSampler state .*'list'.*pass the dict returned by AdaptiveBatchSampler.state_dict"),
+    ("{}", "not an AdaptiveBatchSampler state .*'str'"),
+    ({}, r"not an AdaptiveBatchSampler state \(format=None\)"),
+    ({"format": "batchpilot.Constant", "version": 1, "size": 3}, "not an AdaptiveBatchSampler state .*batchpilot.Constant"),
+    (_state(version=99), "version=99"),
+    (_without("offset"), "missing offset"),
+    (_without("samples_seen"), "missing samples_seen"),
+    (_state(offset=10), r"offset=10, outside \[0, 10\)"),
+    (_state(offset=-1), "offset must be >= 0, got -1"),
+    (_state(offset="3"), "offset must be an int >= 0, got '3' of type str"),
+    (_state(batch_size=0), "batch_size must be >= 1, got 0"),
+    (_state(epoch=-2), "epoch must be >= 0, got -2"),
+    (_state(samples_seen=None), "samples_seen must be an int >= 0, got None"),
+    (_state(num_samples=11), "sampler state has num_samples=11 but this sampler has num_samples=10; resume with the same dataset"),
+    (_state(seed=2), "sampler state has seed=2 but this sampler has seed=1"),
+    (_state(shuffle=False), "sampler state has shuffle=False but this sampler has shuffle=True"),
+])
+def test_corrupt_foreign_or_mismatched_state_is_rejected_and_changes_nothing(state, message):
+    s = AdaptiveBatchSampler(10, 4, seed=1)
+    next(iter(s))
+    before = s.state_dict()
+    with pytest.raises(ValueError, match=message):
+        s.load_state_dict(state)
+    assert s.state_dict() == before
+
+
+def test_state_is_plain_json_and_independent_of_rank_and_world_size():
+    a = make_job(37, 3, batch_size=5, seed=9)
+    for s in a:
+        next(iter(s))
+    states = [s.state_dict() for s in a]
+    assert states[0] == states[1] == states[2]
+    assert json.loads(json.dumps(states[0], allow_nan=False)) == states[0]
+    assert states[0]["offset"] == 5 and states[0]["samples_seen"] == 5
+
+
+# ------------------------------------------------------------------------------------------- the harness has teeth
+class _ForgetsSamplesSeen(AdaptiveBatchSampler):
+    def load_state_dict(self, state):
+        keep = self.samples_seen
+        super().load_state_dict(state)
+        self.samples_seen = keep
+
+
+class _NumpyState(AdaptiveBatchSampler):
+    def state_dict(self):
+        state = super().state_dict()
+        state["offset"] = np.int64(state["offset"])
+        return state
+
+
+class _AliasedState(AdaptiveBatchSampler):
+    """Keeps a history and hands out the live list in its state instead of a copy."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.history = []
+
+    def next_global_batch(self):
+        self.history.append(self.batch_size)
+        return super().next_global_batch()
+
+    def state_dict(self):
+        return {**super().state_dict(), "history": self.history}
+
+    def load_state_dict(self, state):
+        state = dict(state)
+        self.history = state.pop("history")
+        super().load_state_dict(state)
+
+
+@pytest.mark.parametrize("cls, message", [
+    (_ForgetsSamplesSeen, "samples_seen"),
+    (_NumpyState, "not strictly JSON-serialisable"),
+    (_AliasedState, "must be a snapshot"),
+])
+def test_harness_catches_broken_state_handling(cls, message):
+    def make():
+        return cls(30, 4, seed=0)
+
+    def advance(s, step):
+        s.set_batch_size(1 + step % 5)
+        s.next_global_batch()
+
+    def observe(s, step):
+        return [(advance(s, t), counters(s)) for t in range(step, step + 5)]
+
+    # The same driver passes on the real class, and fails on each broken one.
+    assert_state_roundtrip(lambda: AdaptiveBatchSampler(30, 4, seed=0), advance, observe, steps=(0, 3, 7),
+                           advance_before_load=2)
+    with pytest.raises(AssertionError, match=message):
+        assert_state_roundtrip(make, advance, observe, steps=(3,), advance_before_load=2)
+
+
+def test_assert_same_is_exact():
+    assert_same({"a": [1, 2.0, float("nan")], "t": torch.tensor([1.0])}, {"a": [1, 2.0, float("nan")], "t": torch.tensor([1.0])})
+    for a, b in [(1, 1.0), ([1], (1,)), (torch.tensor([1.0]), torch.tensor([1.0], dtype=torch.float64)),
+                 ({"a": 1}, {"a": 1, "b": 2}), (torch.tensor([1.0]), torch.tensor([1.0 + 1e-7]))]:
+        with pytest.raises(AssertionError):
+            assert_same(a, b)
