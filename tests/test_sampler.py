@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from batchpilot.data.sampler import AdaptiveBatchSampler, share_bounds
 from harness import assert_same, assert_state_roundtrip
 
-FAST = settings(max_examples=60, deadline=None)
+FAST = settings(max_examples=200, deadline=None)
 
 
 # ------------------------------------------------------------------------------------------- drivers

@@ -100,7 +100,7 @@ def validate_decision(
         )
         if on_invalid == "raise":
             raise InvalidDecisionError(message)
-        logger.warning("%s; keeping batch size %d", message, current)
+        logger.warning("%s Keeping batch size %d.", message, current)
         return current, f"invalid value {value!r} ({problem}); kept {current}"
     size = int(value)
     if min_size is not None and size < min_size:

@@ -1,0 +1,7 @@
+"""``python -m batchpilot``: the same as the ``batchpilot`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

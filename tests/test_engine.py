@@ -1,0 +1,355 @@
+"""The Pilot engine in one process: exact gradients, decisions, LR coupling, AMP, clipping, errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import batchpilot
+from batchpilot.controllers import Constant, InvalidDecisionError, Schedule
+
+
+def make_problem(n: int = 96, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)).double()
+    return TensorDataset(x.double(), y), model
+
+
+def full_batch_grads(model, ds, indices):
+    model.zero_grad()
+    x, y = ds.tensors[0][indices], ds.tensors[1][indices]
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("micro", [None, 7, 10, 32])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_accumulated_gradient_equals_full_batch_gradient(micro, reduction):
+    ds, model = make_problem()
+    reference = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=33, max_micro_batch_size=micro, loss_reduction=reduction, seed=3)
+    seen, accum = [], []
+    for x, y in pilot.batches(max_steps=1):
+        seen.append(pilot._micro.indices.copy())
+        accum.append(pilot._micro.accumulation_steps)
+        loss = torch.nn.functional.cross_entropy(model(x), y, reduction=reduction)
+        pilot.backward(loss)
+    indices = torch.from_numpy(torch.cat([torch.from_numpy(s) for s in seen]).numpy())
+    assert len(indices) == 33
+    assert accum[0] == (1 if micro is None else math.ceil(33 / micro))
+    # Rebuild the pre-step weights and compare one SGD step (lr=1) with the full-batch gradient step.
+    ref_model = make_problem()[1]
+    with torch.no_grad():
+        for p, r in zip(ref_model.parameters(), reference):
+            p.copy_(r)
+    grads = full_batch_grads(ref_model, ds, indices)
+    for p, r, g in zip(model.parameters(), reference, grads):
+        torch.testing.assert_close(p.detach(), r - g, rtol=1e-12, atol=1e-12)
+
+
+def test_uneven_micro_batches_cover_the_step_exactly():
+    ds, model = make_problem(50)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=23, max_micro_batch_size=5, shuffle=False)
+    sizes = []
+    for x, y in pilot.batches(max_steps=1):
+        sizes.append(len(x))
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    assert sizes == [5, 5, 5, 4, 4]  # ceil(23/5) = 5 micro-batches, near-equal
+
+
+def test_schedule_drives_sizes_and_every_epoch_is_covered_once():
+    ds, model = make_problem(100)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sizes = iter([7, 30, 1, 64, 13, 100, 5] * 50)
+    pilot = batchpilot.Pilot(
+        model, opt, ds, batch_size=10, controller=lambda step, size: next(sizes), max_micro_batch_size=16
+    )
+    per_epoch: dict[int, list[int]] = {}
+    step_sizes = []
+    current: list[int] = []
+    for x, y in pilot.batches(epochs=3):
+        if pilot._micro.micro_index == 0:
+            epoch_of_step = pilot.epoch  # position of the step being consumed
+        current.extend(pilot._micro.indices.tolist())
+        last = pilot._micro.is_last
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+        if last:
+            per_epoch.setdefault(epoch_of_step, []).extend(current)
+            step_sizes.append(len(current))
+            current = []
+    assert sorted(per_epoch) == [0, 1, 2]
+    for epoch, ids in per_epoch.items():
+        assert sorted(ids) == list(range(100)), epoch
+    assert step_sizes[0] == 10 and step_sizes[1:4] == [7, 30, 1]
+    assert pilot.epoch == 3 and pilot.samples_seen == 300
+
+
+def test_decisions_are_validated_at_the_boundary():
+    ds, model = make_problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for bad in (0, -4, float("nan"), 2.5, "64", True):
+        pilot = batchpilot.Pilot(model, opt, ds, batch_size=8, controller=lambda s, b, bad=bad: bad)
+        with pytest.raises(InvalidDecisionError, match="must be a whole number >= 1"):
+            for x, y in pilot.batches(max_steps=3):
+                pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+
+
+def test_invalid_decision_can_be_kept_and_bounds_clamp(tmp_path, caplog):
+    ds, model = make_problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    decisions = iter([0, 500, 1, 12, 12])
+    pilot = batchpilot.Pilot(
+        model, opt, ds, batch_size=8, controller=lambda s, b: next(decisions), on_invalid="keep",
+        min_batch_size=4, max_batch_size=32, log_path=tmp_path / "log.jsonl",
+    )
+    sizes = []
+    for x, y in pilot.batches(max_steps=5):
+        if pilot._micro.micro_index == 0:
+            sizes.append(pilot._micro.global_size)
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    pilot.close()
+    assert sizes == [8, 8, 32, 4, 12]
+    records = batchpilot.read_log(tmp_path / "log.jsonl")
+    notes = [r["note"] for r in records if r["type"] == "decision"]
+    assert notes[0].startswith("invalid value 0") and "clamped 500 down to max_size=32" in notes[1]
+    assert "clamped 1 up to min_size=4" in notes[2]
+    assert [r["new_size"] for r in records if r["type"] == "decision"][:4] == [8, 32, 4, 12]
+
+
+def test_lr_coupling_follows_the_batch_size_on_top_of_a_scheduler():
+    ds, model = make_problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    sizes = iter([16, 64, 64, 8, 8, 8])
+    pilot = batchpilot.Pilot(
+        model, opt, ds, batch_size=16, controller=lambda s, b: next(sizes), lr_rule="sqrt", base_batch_size=16,
+        lr_schedulers=[sched],
+    )
+    used = []
+    for x, y in pilot.batches(max_steps=5):
+        if pilot._micro.micro_index == 0:
+            used.append((pilot._micro.global_size, opt.param_groups[0]["lr"]))
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    expected_sched = [0.1, 0.1, 0.05, 0.05, 0.025]
+    for (size, lr), base in zip(used, expected_sched):
+        assert lr == pytest.approx(base * math.sqrt(size / 16), rel=1e-12)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.025)  # unscaled again after the loop
+
+
+def test_nonfinite_loss_skips_the_step_and_keeps_weights(tmp_path):
+    ds, model = make_problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=8, log_path=tmp_path / "l.jsonl")
+    before = [p.detach().clone() for p in model.parameters()]
+    for x, y in pilot.batches(max_steps=1):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        pilot.backward(loss * float("nan"))
+    assert pilot.skipped_steps == 1 and pilot.step == 1
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b)
+    pilot.close()
+    events = [r for r in batchpilot.read_log(tmp_path / "l.jsonl") if r["type"] == "event"]
+    assert events and events[0]["event"] == "skipped_step"
+
+
+def test_fixed_gradient_clipping_bounds_the_update():
+    ds, model = make_problem()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=32, grad_clip=1e-3)
+    for x, y in pilot.batches(max_steps=1):
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y) * 100)
+    delta = torch.sqrt(sum(((p.detach() - b) ** 2).sum() for p, b in zip(model.parameters(), before)))
+    assert float(delta) == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_bf16_autocast_on_cpu_runs_and_learns():
+    x = torch.randn(256, 8)
+    ds = TensorDataset(x, (x[:, 0] > 0).long())
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=32, amp="bf16")
+    dtypes = set()
+    for xb, yb in pilot.batches(epochs=5):
+        out = model(xb)
+        dtypes.add(out.dtype)
+        pilot.backward(torch.nn.functional.cross_entropy(out.float(), yb))
+    assert dtypes == {torch.bfloat16}
+    assert pilot.last_record["loss"] < 0.4
+
+
+def test_backward_misuse_is_reported():
+    ds, model = make_problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=8)
+    with pytest.raises(RuntimeError, match="outside"):
+        pilot.backward(torch.tensor(1.0, requires_grad=True))
+    with pytest.raises(RuntimeError, match="was not called"):
+        for x, y in pilot.batches(max_steps=1):
+            pass
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=8)
+    with pytest.raises(RuntimeError, match="twice"):
+        for x, y in pilot.batches(max_steps=1):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            pilot.backward(loss)
+            pilot.backward(loss)
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=8)
+    with pytest.raises(ValueError, match="scalar"):
+        for x, y in pilot.batches(max_steps=1):
+            pilot.backward(torch.nn.functional.cross_entropy(model(x), y, reduction="none"))
+    with pytest.raises(ValueError, match="stop condition"):
+        next(iter(batchpilot.Pilot(model, opt, ds, batch_size=8).batches()))
+
+
+def test_constructor_reports_every_problem_at_once():
+    ds, model = make_problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError) as info:
+        batchpilot.Pilot(
+            model, opt, ds, batch_size=0, decide_every=0, min_batch_size=64, max_batch_size=8, amp="fp8",
+            grad_clip=-1.0, controller=42,
+        )
+    message = str(info.value)
+    for fragment in ("batch_size must be >= 1", "decide_every", "min_size=64 is larger than max_size=8", "amp",
+                     "grad_clip", "controller must be"):
+        assert fragment in message
+    with pytest.raises(ValueError, match="0 samples"):
+        batchpilot.Pilot(model, opt, TensorDataset(torch.zeros(0, 6)), batch_size=4)
+    with pytest.raises(ValueError, match="outside"):
+        batchpilot.Pilot(model, opt, ds, batch_size=4, min_batch_size=8)
+
+
+def test_drop_last_with_a_batch_larger_than_the_data_is_an_error():
+    ds, model = make_problem(10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=16, drop_last=True)
+    with pytest.raises(RuntimeError, match="exceeds the dataset size"):
+        for x, y in pilot.batches(epochs=1):
+            pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+
+
+def _train(num_workers: int, steps: int, tmp_path=None):
+    torch.manual_seed(0)
+    x = torch.randn(300, 5)
+    ds = TensorDataset(x, (x.sum(1) > 0).long())
+    model = torch.nn.Linear(5, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sizes = iter([9, 40, 3, 3, 77, 12, 50, 1, 31] * 20)
+    pilot = batchpilot.Pilot(
+        model, opt, ds, batch_size=16, controller=lambda s, b: next(sizes), max_micro_batch_size=8,
+        num_workers=num_workers,
+    )
+    ids = []
+    for xb, yb in pilot.batches(max_steps=steps):
+        ids.extend(pilot._micro.indices.tolist())
+        pilot.backward(torch.nn.functional.cross_entropy(model(xb), yb))
+    return ids, [p.detach().clone() for p in model.parameters()], pilot
+
+
+def test_workers_give_the_same_samples_sizes_and_weights_as_no_workers():
+    ids0, w0, _ = _train(0, 25)
+    ids2, w2, pilot = _train(2, 25)
+    assert ids0 == ids2
+    for a, b in zip(w0, w2):
+        assert torch.equal(a, b)
+    assert pilot.loader.rewinds > 0  # prefetched micro-batches of the old size were really discarded
+
+
+def test_checkpoint_resume_in_process_is_exact(tmp_path):
+    def build():
+        torch.manual_seed(1)
+        x = torch.randn(200, 5)
+        ds = TensorDataset(x, (x[:, 0] > 0).long())
+        model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 2))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.9)
+        ctrl = batchpilot.controllers.MultiplicativeStep(8, 2.0, every_steps=5, max_size=64)
+        pilot = batchpilot.Pilot(model, opt, ds, batch_size=8, controller=ctrl, lr_rule="sqrt", lr_schedulers=[sched],
+                                 max_micro_batch_size=16, log_path=tmp_path / "log.jsonl")
+        return model, pilot
+
+    def run(model, pilot, steps, ids):
+        for x, y in pilot.batches(max_steps=steps):
+            ids.append(pilot._micro.indices.tolist())
+            pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+
+    model, pilot = build()
+    full_ids: list = []
+    run(model, pilot, 30, full_ids)
+    full_weights = [p.detach().clone() for p in model.parameters()]
+    pilot.close()
+    (tmp_path / "log.jsonl").unlink()
+
+    model, pilot = build()
+    part_ids: list = []
+    run(model, pilot, 12, part_ids)
+    pilot.save_checkpoint(tmp_path / "ck.pt")
+    run(model, pilot, 14, part_ids)  # steps that the resumed run will redo; the log must forget them
+    pilot.close()
+    model, pilot = build()
+    pilot.load_checkpoint(tmp_path / "ck.pt")
+    assert pilot.step == 12
+    after: list = []
+    run(model, pilot, 30, after)
+    pilot.close()
+    n_before = len(full_ids) - len(after)
+    assert part_ids[:n_before] + after == full_ids
+    for a, b in zip(full_weights, model.parameters()):
+        assert torch.equal(a, b.detach())
+    steps = [r["step"] for r in batchpilot.read_log(tmp_path / "log.jsonl") if r["type"] == "step"]
+    assert steps == list(range(1, 31))
+    json.dumps(pilot.loader.state_dict())
+
+
+def test_corrupt_and_foreign_checkpoints_give_clear_errors_and_older_ones_stay_usable(tmp_path):
+    ds, model = make_problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=8, checkpoint_dir=tmp_path, checkpoint_every=2)
+    for x, y in pilot.batches(max_steps=4):
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    files = batchpilot.checkpoint.list_checkpoints(tmp_path)
+    assert [f.name for f in files] == ["step-000000002.pt", "step-000000004.pt"]
+    data = files[-1].read_bytes()
+    files[-1].write_bytes(data[: len(data) // 2])  # a truncated newest file
+    with pytest.raises(batchpilot.CheckpointError, match="truncated, corrupt"):
+        pilot.load_checkpoint(files[-1])
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": torch.zeros(2)}, foreign)
+    with pytest.raises(batchpilot.CheckpointError, match="not a batchpilot checkpoint"):
+        pilot.load_checkpoint(foreign)
+    with pytest.raises(batchpilot.CheckpointError, match="does not exist"):
+        pilot.load_checkpoint(tmp_path / "nope.pt")
+    assert pilot.load_checkpoint(tmp_path) == files[0]  # the folder falls back to the previous checkpoint
+    assert pilot.step == 2
+
+
+def test_seed_003_scheduler_via_partial_and_constant_controller():
+    from functools import partial
+
+    from batchpilot.controllers import linear_increase_scheduler
+
+    ds, model = make_problem(1000)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = partial(linear_increase_scheduler, interval=5, max_size=24, increment=4)
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=4, controller=sched)
+    assert isinstance(pilot.controller, Schedule)
+    sizes = []
+    for x, y in pilot.batches(max_steps=30):
+        if pilot._micro.micro_index == 0:
+            sizes.append(pilot._micro.global_size)
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    # decisions after steps 5, 10, 15, 20, 25 add 4 each (seed 003's rule), capped at 24
+    assert sizes == [4] * 5 + [8] * 5 + [12] * 5 + [16] * 5 + [20] * 5 + [24] * 5
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=4, controller=Constant(16))
+    for x, y in pilot.batches(max_steps=2):
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    assert pilot.last_record["batch/global_size"] == 16
