@@ -38,8 +38,8 @@ def test_accumulated_gradient_equals_full_batch_gradient(micro, reduction):
     pilot = batchpilot.Pilot(model, opt, ds, batch_size=33, max_micro_batch_size=micro, loss_reduction=reduction, seed=3)
     seen, accum = [], []
     for x, y in pilot.batches(max_steps=1):
-        seen.append(pilot._micro.indices.copy())
-        accum.append(pilot._micro.accumulation_steps)
+        seen.append(pilot.micro_batch.indices.copy())
+        accum.append(pilot.micro_batch.accumulation_steps)
         loss = torch.nn.functional.cross_entropy(model(x), y, reduction=reduction)
         pilot.backward(loss)
     indices = torch.from_numpy(torch.cat([torch.from_numpy(s) for s in seen]).numpy())
@@ -77,10 +77,10 @@ def test_schedule_drives_sizes_and_every_epoch_is_covered_once():
     step_sizes = []
     current: list[int] = []
     for x, y in pilot.batches(epochs=3):
-        if pilot._micro.micro_index == 0:
+        if pilot.micro_batch.micro_index == 0:
             epoch_of_step = pilot.epoch  # position of the step being consumed
-        current.extend(pilot._micro.indices.tolist())
-        last = pilot._micro.is_last
+        current.extend(pilot.micro_batch.indices.tolist())
+        last = pilot.micro_batch.is_last
         pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
         if last:
             per_epoch.setdefault(epoch_of_step, []).extend(current)
@@ -113,8 +113,8 @@ def test_invalid_decision_can_be_kept_and_bounds_clamp(tmp_path, caplog):
     )
     sizes = []
     for x, y in pilot.batches(max_steps=5):
-        if pilot._micro.micro_index == 0:
-            sizes.append(pilot._micro.global_size)
+        if pilot.micro_batch.micro_index == 0:
+            sizes.append(pilot.micro_batch.global_size)
         pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
     pilot.close()
     assert sizes == [8, 8, 32, 4, 12]
@@ -136,8 +136,8 @@ def test_lr_coupling_follows_the_batch_size_on_top_of_a_scheduler():
     )
     used = []
     for x, y in pilot.batches(max_steps=5):
-        if pilot._micro.micro_index == 0:
-            used.append((pilot._micro.global_size, opt.param_groups[0]["lr"]))
+        if pilot.micro_batch.micro_index == 0:
+            used.append((pilot.micro_batch.global_size, opt.param_groups[0]["lr"]))
         pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
     expected_sched = [0.1, 0.1, 0.05, 0.05, 0.025]
     for (size, lr), base in zip(used, expected_sched):
@@ -250,7 +250,7 @@ def _train(num_workers: int, steps: int, tmp_path=None):
     )
     ids = []
     for xb, yb in pilot.batches(max_steps=steps):
-        ids.extend(pilot._micro.indices.tolist())
+        ids.extend(pilot.micro_batch.indices.tolist())
         pilot.backward(torch.nn.functional.cross_entropy(model(xb), yb))
     return ids, [p.detach().clone() for p in model.parameters()], pilot
 
@@ -279,7 +279,7 @@ def test_checkpoint_resume_in_process_is_exact(tmp_path):
 
     def run(model, pilot, steps, ids):
         for x, y in pilot.batches(max_steps=steps):
-            ids.append(pilot._micro.indices.tolist())
+            ids.append(pilot.micro_batch.indices.tolist())
             pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
 
     model, pilot = build()
@@ -344,8 +344,8 @@ def test_seed_003_scheduler_via_partial_and_constant_controller():
     assert isinstance(pilot.controller, Schedule)
     sizes = []
     for x, y in pilot.batches(max_steps=30):
-        if pilot._micro.micro_index == 0:
-            sizes.append(pilot._micro.global_size)
+        if pilot.micro_batch.micro_index == 0:
+            sizes.append(pilot.micro_batch.global_size)
         pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
     # decisions after steps 5, 10, 15, 20, 25 add 4 each (seed 003's rule), capped at 24
     assert sizes == [4] * 5 + [8] * 5 + [12] * 5 + [16] * 5 + [20] * 5 + [24] * 5

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batchpilot.lr import LRCoupling, SampleLRSchedule, lr_factor, warmup_constant, warmup_cosine
+from harness import assert_state_roundtrip
 
 # ----------------------------------------------------------------------------- lr_factor
 
@@ -51,7 +52,7 @@ def test_linear_then_sqrt_is_continuous_and_monotone_at_the_knee(b0, knee):
     [
         (dict(rule="cubic"), ValueError, r"unknown lr rule 'cubic'; use one of 'none', 'linear'"),
         (dict(rule=None), ValueError, "unknown lr rule None"),
-        (dict(rule=lambda r: 0.0), ValueError, r"returned 0.0 for batch ratio 2.0; it must return a finite real > 0"),
+        (dict(rule=lambda r: 0.0), ValueError, r"returned 0.0 for batch ratio 2.0; it must return a finite real"),
         (dict(rule=lambda r: math.nan), ValueError, "must return a finite real > 0"),
         (dict(rule=lambda r: "x"), ValueError, "returned 'x'"),
         (dict(rule=lambda r: True), ValueError, "returned True"),
@@ -181,6 +182,45 @@ def test_coupling_state_round_trip_resumes_identically(sched_name, checkpoint_sc
     state = json.loads(checkpoint[3])
     assert state["scaled"] is checkpoint_scaled and state["batch_size"] == (
         SIZES[6] if checkpoint_scaled else SIZES[5]
+    )
+
+
+@pytest.mark.parametrize("sched_name", sorted(SCHEDULERS))
+def test_coupling_with_optimizer_and_scheduler_through_the_shared_harness(sched_name):
+    """Optimizer + torch scheduler + coupling saved together between steps, as a checkpoint does."""
+    make_sched = SCHEDULERS[sched_name]
+
+    def make():
+        opt = make_optimizer()
+        sched = make_sched(opt)
+        coupling = LRCoupling(opt, B0, rule="linear-then-sqrt", knee=64)
+        coupling.scale(SIZES[0])
+        return opt, sched, coupling
+
+    def advance(trio, step):
+        coupled_step(*trio, SIZES[(step + 1) % len(SIZES)])
+
+    def observe(trio, step):
+        opt, sched, coupling = trio
+        lrs = []
+        for t in range(step, step + 2 * len(SIZES)):
+            lrs.append([g["lr"] for g in opt.param_groups] + [coupling.factor, sched.get_last_lr()])
+            advance(trio, t)
+        return lrs
+
+    def get_state(trio):
+        opt, sched, coupling = trio
+        return {"opt": opt.state_dict(), "sched": sched.state_dict(), "coupling": coupling.state_dict()}
+
+    def set_state(trio, state):
+        opt, sched, coupling = trio
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        coupling.load_state_dict(state["coupling"])
+
+    assert_state_roundtrip(
+        make, advance, observe, steps=(0, 1, 5, 9), json_roundtrip=False, torch_roundtrip=True,
+        get_state=get_state, set_state=set_state, advance_before_load=2,
     )
 
 
@@ -316,20 +356,31 @@ def test_sample_lr_schedule_errors():
 
 def test_sample_lr_schedule_state_round_trip():
     fn = warmup_cosine(64, 1024, min_ratio=0.05)
-    opt = make_optimizer()
-    first = SampleLRSchedule(opt, fn)
+    first = SampleLRSchedule(make_optimizer(), fn)
     first.step(300)
-    state = json.loads(json.dumps(first.state_dict()))
-    assert state == {"base_lrs": [0.1, 0.03], "samples_seen": 300, "last_lr": first.get_last_lr()}
-    opt2 = make_optimizer()
-    opt2.param_groups[0]["lr"], opt2.param_groups[1]["lr"] = 9.0, 9.0  # the construction value must not matter
-    second = SampleLRSchedule(opt2, fn)
-    second.load_state_dict(state)
-    assert second.samples_seen == 300 and second.get_last_lr() == first.get_last_lr()
-    assert second.base_lrs == [0.1, 0.03]
-    first.step(700)
-    second.step(700)
-    assert [g["lr"] for g in opt2.param_groups] == [g["lr"] for g in opt.param_groups]
+    assert first.state_dict() == {"base_lrs": [0.1, 0.03], "samples_seen": 300, "last_lr": first.get_last_lr()}
+
+    def make():
+        return SampleLRSchedule(make_optimizer(), fn)
+
+    def make_restored():
+        opt = make_optimizer()
+        for group in opt.param_groups:
+            group["lr"] = 9.0  # what the optimizer held at construction must not matter after loading
+        return SampleLRSchedule(opt, fn)
+
+    def advance(sched, step):
+        sched.step(37 * (step + 1))
+
+    def observe(sched, step):
+        out = [sched.get_last_lr(), sched.samples_seen]
+        for t in range(step, step + 40):
+            advance(sched, t)
+            out.append([g["lr"] for g in sched.optimizer.param_groups])
+        return out
+
+    assert_state_roundtrip(make, advance, observe, steps=(1, 2, 10, 30), make_restored=make_restored,
+                           advance_before_load=3)
 
 
 def test_sample_lr_schedule_composes_with_coupling():

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import batchpilot.controllers as controllers
 from batchpilot.controllers import (
     Constant,
     Controller,
@@ -23,7 +24,6 @@ from batchpilot.controllers import (
     linear_increase_scheduler,
     validate_decision,
 )
-import batchpilot.controllers as controllers
 from harness import assert_state_roundtrip
 
 
@@ -340,7 +340,7 @@ def test_load_state_dict_rejects_non_mapping():
         (lambda: MultiplicativeStep(8, -2, every_steps=10), ValueError, "factor must be > 0"),
         (lambda: MultiplicativeStep(8, math.nan, every_steps=10), ValueError, "factor must be finite"),
         (lambda: MultiplicativeStep(8, "2", every_steps=10, max_size=64), TypeError, "factor must be a real"),
-        (lambda: MultiplicativeStep(8, 2, max_size=64), ValueError, "exactly one of every_steps= or every_samples="),
+        (lambda: MultiplicativeStep(8, 2, max_size=64), ValueError, "exactly one of every_steps= or every_samples"),
         (
             lambda: MultiplicativeStep(8, 2, every_steps=1, every_samples=1, max_size=64),
             ValueError,
@@ -348,8 +348,16 @@ def test_load_state_dict_rejects_non_mapping():
         ),
         (lambda: MultiplicativeStep(8, 2, every_steps=10), ValueError, "without limit; pass max_size="),
         (lambda: MultiplicativeStep(8, 2, every_steps=0, max_size=64), ValueError, "every_steps must be >= 1"),
-        (lambda: MultiplicativeStep(4, 2, every_steps=10, min_size=8, max_size=64), ValueError, "start=4 is outside"),
-        (lambda: MultiplicativeStep(8, 0.5, every_steps=10, min_size=64, max_size=8), ValueError, "impossible bounds"),
+        (
+            lambda: MultiplicativeStep(4, 2, every_steps=10, min_size=8, max_size=64),
+            ValueError,
+            "start=4 is outside",
+        ),
+        (
+            lambda: MultiplicativeStep(8, 0.5, every_steps=10, min_size=64, max_size=8),
+            ValueError,
+            "impossible bounds",
+        ),
         (lambda: Exponential(32, 512), ValueError, "exactly one of total_steps= or total_samples="),
         (lambda: Exponential(32, 512, total_steps=0), ValueError, "total_steps must be >= 1"),
         (lambda: Exponential(0, 512, total_steps=10), ValueError, "start must be >= 1"),

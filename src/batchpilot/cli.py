@@ -55,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true",
                        help="a run of about 2 minutes on 2 cores: one seed, a lower target, a short budget.")
     bench.add_argument("--no-progress", dest="progress", action="store_false", help="print only the results.")
+    bench.set_defaults(run=_bench, subparser=bench)
 
     report = sub.add_parser(
         "report",
@@ -66,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--out", default=None, help="output folder. Default: the log's folder.")
     report.add_argument("--x", choices=("samples", "time"), default="samples",
                         help="x axis of log plots: samples seen or wall time. Default: samples.")
+    report.set_defaults(run=_report, subparser=report)
     return parser
 
 
@@ -156,12 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     Raises:
         SystemExit: with status 2 for bad input (argparse convention), after printing the reason.
     """
-    parser = _parser()
-    args = parser.parse_args(argv)
-    sub = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
-    if args.command == "bench":
-        return _bench(args, sub)
-    return _report(args, sub)
+    args = _parser().parse_args(argv)
+    return args.run(args, args.subparser)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -6,8 +6,35 @@ Controllers and statistics never communicate; the engine calls these helpers. Ev
 
 from __future__ import annotations
 
+import os
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
+
+
+def init_torchrun(backend: str = "gloo", timeout: timedelta | None = None) -> tuple[int, int]:
+    """Initialise the default process group from torchrun's environment; return ``(rank, world_size)``.
+
+    Unlike a plain ``init_process_group(backend)``, the group's keys live under a per-attempt prefix
+    (``TORCHELASTIC_RESTART_COUNT``) of torchrun's store. With torch 2.13 and gloo, a job restarted by
+    ``torchrun --max-restarts`` otherwise reads the peer addresses of the failed attempt from the store
+    and fails with "Gloo connectFullMesh failed ... Connection refused".
+
+    Raises:
+        RuntimeError: the torchrun variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) are missing.
+    """
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"init_torchrun() needs torchrun's environment; {', '.join(missing)} not set. Start with torchrun.")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, **kwargs)
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(f"batchpilot/attempt-{attempt}", store), rank=rank, world_size=world_size, **kwargs
+    )
+    return rank, world_size
 
 
 def is_distributed() -> bool:

@@ -228,18 +228,25 @@ class Pilot:
 
     @property
     def epoch(self) -> int:
-        """Full passes over the data completed."""
-        return self.loader.position()[0]
+        """Full passes over the data completed (during a step: before that step)."""
+        return self._micro.epoch if self._micro is not None else self.loader.position()[0]
 
     @property
     def coverage(self) -> float:
-        """Fraction of the current pass consumed, in ``[0, 1)``."""
-        return self.loader.position()[1] / self.num_samples
+        """Fraction of the current pass consumed, in ``[0, 1)`` (during a step: before that step)."""
+        offset = self._micro.offset if self._micro is not None else self.loader.position()[1]
+        return offset / self.num_samples
 
     @property
     def virtual_epoch(self) -> float:
         """``samples_seen / len(dataset)`` (seed 003's logged ``epoch``)."""
         return self.samples_seen / self.num_samples
+
+    @property
+    def micro_batch(self) -> MicroBatch | None:
+        """The micro-batch being processed (its indices, sizes, position in the step), or ``None``
+        between steps."""
+        return self._micro
 
     def add_callback(self, fn: StepCallback) -> None:
         """Call ``fn(pilot, record)`` after every step (on every rank), e.g. to evaluate."""

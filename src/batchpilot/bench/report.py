@@ -161,7 +161,7 @@ def write_report(results: dict[str, Any], out_dir: str | os.PathLike) -> dict[st
         label = None if run["policy"] in seen else run["policy"]
         seen.add(run["policy"])
         ax.step(times, sizes, where="post", color=colours[run["policy"]], alpha=0.85, lw=1.5, label=label)
-    ax.set_yscale("log", base=2)
+    _log2_axis(ax)
     ax.set_xlabel("training wall time (s, evaluation excluded)")
     ax.set_ylabel("global batch size")
     ax.set_title(f"{results.get('workload', '')}: batch size vs training time")
@@ -173,6 +173,14 @@ def write_report(results: dict[str, Any], out_dir: str | os.PathLike) -> dict[st
 
     paths["report"].write_text(_markdown(results), encoding="utf-8")
     return paths
+
+
+def _log2_axis(ax: Any) -> None:
+    """Log-2 y axis labelled with plain integers (32, 64, ...) rather than powers of two."""
+    from matplotlib.ticker import FuncFormatter
+
+    ax.set_yscale("log", base=2)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
 
 
 def _markdown(results: dict[str, Any]) -> str:
@@ -303,7 +311,10 @@ def plot_log(log_path: str | os.PathLike, out_dir: str | os.PathLike, x: str = "
                 ax.legend(loc="best")
         finite = [y for y in ys if math.isfinite(y) and y > 0]
         if log_y and finite and max(finite) / min(finite) > 4:
-            ax.set_yscale("log", base=2 if key == "batch/global_size" else 10)
+            if key == "batch/global_size":
+                _log2_axis(ax)
+            else:
+                ax.set_yscale("log")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.set_title(f"{path.name}: {ylabel}")

@@ -152,14 +152,15 @@ def parse_policy(spec: str) -> Policy:
     raise _bad(spec, f"unknown policy kind {kind!r}")
 
 
-def parse_policies(specs: str | Sequence[str]) -> list[Policy]:
-    """Parse a comma-separated string (or a list) of policy specs.
+def parse_policies(specs: str | Sequence[str | Policy]) -> list[Policy]:
+    """Parse a comma-separated string (or a list) of policy specs; :class:`Policy` objects pass through.
 
     Raises:
         ValueError: a spec is malformed, the list is empty, or a policy appears twice.
     """
     items = specs.split(",") if isinstance(specs, str) else list(specs)
-    items = [s for s in (i.strip() for i in items) if s]
+    items = [i.strip() if isinstance(i, str) else i for i in items]
+    items = [i for i in items if i != ""]
     if not items:
         raise ValueError(f"no policy given; pass at least one of: {_POLICY_HELP}.")
     policies = [p if isinstance(p, Policy) else parse_policy(p) for p in items]

@@ -43,6 +43,8 @@ class MicroBatch:
             number of ranks, or than the accumulation steps). ``data`` then holds one sample of the step,
             borrowed so that every rank runs the same forward/backward (DDP collectives never hang); its
             loss gets weight 0 and it does not count as seen.
+        epoch, offset: Position of the step's first sample: its epoch and the samples of that epoch
+            consumed before the step.
     """
 
     data: Any
@@ -52,6 +54,8 @@ class MicroBatch:
     local_size: int
     global_size: int
     ghost: bool = False
+    epoch: int = 0
+    offset: int = 0
 
     @property
     def size(self) -> int:
@@ -342,6 +346,8 @@ class AdaptiveDataLoader:
             planned.local_size,
             planned.global_size,
             planned.ghost,
+            planned.position[0],
+            planned.position[1],
         )
 
     # ------------------------------------------------------------------ state

@@ -1,0 +1,96 @@
+"""Worker functions for the 2-process gloo tests (module level, so ``spawn`` can import them)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import TensorDataset
+
+import batchpilot
+
+NUM_SAMPLES = 101
+# Sizes chosen so that epoch ends produce final batches of 1 sample (smaller than the world size),
+# which exercises ghost micro-batches on the second rank.
+SIZES = [8, 21, 5, 33, 10, 17, 6, 1, 12, 40, 3, 9, 25, 2, 30, 7]
+
+
+def make_data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(NUM_SAMPLES, 5, generator=g, dtype=torch.float64)
+    y = (x[:, 0] - x[:, 2] > 0).long()
+    return TensorDataset(x, y)
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 12), torch.nn.Tanh(), torch.nn.Linear(12, 2)).double()
+
+
+class SizeList:
+    """A controller that replays a list of sizes (decided on rank 0 only)."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes, self.i = sizes, 0
+
+    def decide(self, obs: batchpilot.Observation) -> int:
+        size = self.sizes[self.i % len(self.sizes)]
+        self.i += 1
+        return size
+
+    def state_dict(self) -> dict:
+        return {"i": self.i}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.i = state["i"]
+
+
+def train(steps: int, rank: int, world_size: int, wrap_ddp: bool, micro: int | None) -> dict:
+    """Train ``steps`` steps; return the per-step (global size, local indices) and the final weights."""
+    model = make_model()
+    if wrap_ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    # Rank 1's controller returns nonsense: only rank 0 decides, so it must never be consulted.
+    controller = SizeList(SIZES) if rank == 0 else SizeList([0])
+    pilot = batchpilot.Pilot(
+        model, opt, make_data(), batch_size=4, controller=controller, max_micro_batch_size=micro, seed=5,
+        lr_rule="linear", base_batch_size=4,
+    )
+    records: list[dict] = []
+    current: list[int] = []
+    for x, y in pilot.batches(max_steps=steps):
+        m = pilot.micro_batch
+        if not m.ghost:
+            current.extend(m.indices.tolist())
+        if m.micro_index == 0:
+            records.append({"global_size": m.global_size, "accumulation_steps": m.accumulation_steps,
+                            "epoch": pilot.epoch})
+        last = m.is_last
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+        if last:
+            records[-1]["indices"] = current
+            current = []
+    module = model.module if wrap_ddp else model
+    return {"records": records, "weights": [p.detach().tolist() for p in module.parameters()]}
+
+
+def worker(rank: int, world_size: int, init_file: str, out_dir: str, steps: int, wrap_ddp: bool, micro) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        result = train(steps, rank, world_size, wrap_ddp, micro)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_reference(steps: int, micro) -> dict:
+    """The same training in one process (world size 1)."""
+    return train(steps, 0, 1, False, micro)
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))

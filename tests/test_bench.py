@@ -1,0 +1,329 @@
+"""The benchmark: workloads, policy parsing, the runner's results.json, reports, plots and the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from batchpilot.bench import get_workload, parse_policies, parse_policy, summarize
+from batchpilot.bench.report import plot_log
+from batchpilot.bench.workloads import WORKLOADS, mnist1d_cnn
+from batchpilot.cli import main
+from batchpilot.controllers.base import Observation
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_png(path: Path, min_width: int = 300) -> None:
+    """A real PNG: the signature, then an IHDR chunk with a plausible size."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width >= min_width and height >= 200, (width, height)
+
+
+# ------------------------------------------------------------------------------------------ bench
+RUN_KEYS = {"policy", "seed", "time_to_target_s", "steps_to_target", "samples_to_target", "final_accuracy",
+            "wall_s", "batch_sizes"}
+
+
+def test_bench_cli_synthetic_end_to_end(tmp_path, capsys):
+    out = tmp_path / "bench"
+    code = main(["bench", "--workload", "synthetic", "--policies", "static:32,ramp:16-128", "--seeds", "0",
+                 "--budget-s", "20", "--out", str(out), "--no-progress"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "static:32" in printed and "ramp:16-128" in printed and "report.md" in printed
+
+    results = json.loads((out / "results.json").read_text())
+    assert results["workload"] == "synthetic"
+    assert results["target_accuracy"] == WORKLOADS["synthetic"].target_accuracy == 0.97
+    assert [r["policy"] for r in results["runs"]] == ["static:32", "ramp:16-128"]  # seed 0: no rotation
+    n = results["config"]["train_samples"]
+    assert n == 4096
+    for run in results["runs"]:
+        assert RUN_KEYS <= set(run)
+        assert run["seed"] == 0
+        # The target is reachable well within the budget; stopping happens at the first eval that hits it.
+        assert run["time_to_target_s"] is not None
+        assert 0 < run["time_to_target_s"] <= run["wall_s"]
+        assert run["samples_to_target"] % 1024 == 0  # evaluations every quarter epoch = 1024 samples
+        assert run["epochs_to_target"] == run["samples_to_target"] / n
+        reached = [p for p in run["curve"] if p["accuracy"] >= 0.97]
+        assert reached and reached[0]["samples_seen"] == run["samples_to_target"]
+        assert run["curve"][0]["samples_seen"] == 0 and run["curve"][0]["time_s"] == 0.0
+        assert run["final_accuracy"] == run["curve"][-1]["accuracy"] >= 0.97
+        times = [p["time_s"] for p in run["curve"]]
+        assert times == sorted(times)
+    static, ramp = results["runs"]
+    assert static["samples_to_target"] == 32 * static["steps_to_target"]
+    assert static["batch_sizes"] == [{"step": 0, "samples_seen": 0, "time_s": 0.0, "batch_size": 32}]
+    sizes = [p["batch_size"] for p in ramp["batch_sizes"]]
+    assert sizes[0] == 16 and sizes == sorted(sizes) and len(sizes) >= 2 and max(sizes) <= 128
+    # Doubling every quarter epoch (1024 samples): 16 for 64 steps, then 32 for 32 steps, ...
+    assert ramp["batch_sizes"][1] == {**ramp["batch_sizes"][1], "step": 64, "samples_seen": 1024, "batch_size": 32}
+
+    summary = results["summary"]
+    assert set(summary) == {"static:32", "ramp:16-128"}
+    assert summary["static:32"]["median_time_to_target_s"] == static["time_to_target_s"]
+    assert summary["static:32"]["ratio_vs_best_static"] == 1.0
+    assert results["best_static_policy"] == "static:32"
+    assert math.isclose(summary["ramp:16-128"]["ratio_vs_best_static"],
+                        ramp["time_to_target_s"] / static["time_to_target_s"])
+
+    report = (out / "report.md").read_text()
+    assert "| policy |" in report and "static:32 (best static)" in report and "ramp:16-128" in report
+    assert "accuracy_vs_time.png" in report
+    assert_png(out / "accuracy_vs_time.png")
+    assert_png(out / "batch_size_vs_time.png")
+
+
+def test_report_rerenders_results_json(tmp_path):
+    results = {
+        "workload": "synthetic", "target_accuracy": 0.9,
+        "runs": [
+            {"policy": "static:32", "seed": 0, "time_to_target_s": 1.0, "steps_to_target": 10,
+             "samples_to_target": 320, "final_accuracy": 0.95, "wall_s": 1.5,
+             "batch_sizes": [32] * 5, "curve": [{"time_s": 0.0, "accuracy": 0.1}, {"time_s": 1.0, "accuracy": 0.95}]},
+        ],
+        "summary": {"static:32": {"median_time_to_target_s": 1.0, "ratio_vs_best_static": 1.0}},
+    }
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    assert main(["report", str(path), "--out", str(tmp_path / "r")]) == 0
+    assert "static:32 (best static)" in (tmp_path / "r" / "report.md").read_text()
+    assert_png(tmp_path / "r" / "batch_size_vs_time.png")  # a plain list of sizes is plotted too
+
+
+# ------------------------------------------------------------------------------------- summaries
+def _run(policy, t, samples=None):
+    return {"policy": policy, "seed": 0, "time_to_target_s": t, "steps_to_target": None if t is None else 1,
+            "samples_to_target": samples if t is not None else None, "final_accuracy": 0.5, "wall_s": 9.0,
+            "batch_sizes": []}
+
+
+def test_summarize_counts_missed_runs_as_infinitely_slow():
+    runs = [_run("static:32", 10.0), _run("static:32", 12.0), _run("static:32", None),
+            _run("static:128", 5.0), _run("static:128", None), _run("static:128", None),
+            _run("ramp:32-512", 4.0), _run("ramp:32-512", 6.0)]
+    summary, best = summarize(runs)
+    assert summary["static:32"]["median_time_to_target_s"] == 12.0  # median of (10, 12, inf)
+    assert summary["static:128"]["median_time_to_target_s"] is None  # median of (5, inf, inf)
+    assert summary["static:128"]["ratio_vs_best_static"] is None
+    assert summary["static:32"]["runs_reached"] == 2 and summary["static:32"]["runs"] == 3
+    assert best == "static:32"
+    assert summary["static:32"]["ratio_vs_best_static"] == 1.0
+    assert summary["ramp:32-512"]["ratio_vs_best_static"] == 5.0 / 12.0
+
+
+def test_summarize_without_a_static_policy_has_no_ratio():
+    summary, best = summarize([_run("ramp:32-512", 3.0)])
+    assert best is None and summary["ramp:32-512"]["ratio_vs_best_static"] is None
+    assert summary["ramp:32-512"]["median_time_to_target_s"] == 3.0
+
+
+# -------------------------------------------------------------------------------------- policies
+def test_parse_policy_forms():
+    assert parse_policy("static:64").batch_size == 64 and parse_policy("static:64").kind == "static"
+    ramp = parse_policy(" RAMP ")
+    assert (ramp.name, ramp.batch_size, ramp.end, ramp.every_epochs) == ("ramp:32-512", 32, 512, 0.25)
+    assert parse_policy("ramp:16-256@0.5").name == "ramp:16-256@0.5"
+    w = parse_policy("warmup:32-512@1+2")
+    assert (w.kind, w.batch_size, w.end, w.every_epochs, w.ramp_epochs) == ("warmup", 32, 512, 1.0, 2.0)
+    assert [p.name for p in parse_policies("static:32, static:128,ramp")] == ["static:32", "static:128", "ramp:32-512"]
+
+
+def test_ramp_doubles_every_quarter_epoch_up_to_its_end():
+    controller = parse_policy("ramp").make_controller(4000)  # a quarter epoch is 1000 samples
+    sizes = [controller.decide(Observation(step=0, samples_seen=s, epoch=0, coverage=0.0, batch_size=32))
+             for s in (0, 999, 1000, 2000, 3000, 4000, 5000, 40000)]
+    assert sizes == [32, 32, 64, 128, 256, 512, 512, 512]
+    assert parse_policy("static:32").make_controller(4000) is None
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("static:0", "not a whole number >= 1"),
+    ("static:abc", "'abc' is not a whole number"),
+    ("static:", "is not a whole number"),
+    ("ramp:512-32", "must be larger than start"),
+    ("ramp:32", "ramp:START-END"),
+    ("ramp:32-512@0", "must be > 0"),
+    ("warmup:32-512", "warmup:SMALL-TARGET@W+R"),
+    ("adaptive:7", "unknown policy kind 'adaptive'"),
+])
+def test_bad_policy_names_the_spec_and_the_valid_forms(spec, fragment):
+    with pytest.raises(ValueError) as info:
+        parse_policy(spec)
+    message = str(info.value)
+    assert repr(spec) in message and fragment in message and "static:N" in message
+
+
+def test_policy_list_errors():
+    with pytest.raises(ValueError, match="listed twice"):
+        parse_policies("static:32,static:32")
+    with pytest.raises(ValueError, match="no policy given"):
+        parse_policies(" , ")
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["bench", "--policies", "static:32,bogus"], "unknown policy kind 'bogus'"),
+    (["bench", "--workload", "imagenet"], "unknown workload 'imagenet'; choose one of: mnist1d, synthetic"),
+    (["bench", "--workload", "synthetic", "--seeds", "0,x"], "'x' is not a whole number"),
+    (["bench", "--workload", "synthetic", "--target-accuracy", "1.5"], "--target-accuracy must be in (0, 1]"),
+    (["bench", "--workload", "synthetic", "--budget-s", "0"], "--budget-s must be a positive"),
+])
+def test_cli_bad_input_exits_2_with_a_message(argv, fragment, capsys, tmp_path):
+    with pytest.raises(SystemExit) as info:
+        main(argv + ["--out", str(tmp_path)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_get_workload_lists_the_names():
+    assert get_workload("synthetic") is WORKLOADS["synthetic"]
+    with pytest.raises(ValueError, match="choose one of: mnist1d, synthetic"):
+        get_workload("mnist")
+
+
+def test_python_dash_m_batchpilot(tmp_path):
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "batchpilot", "bench", "--policies", "nope:1"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and "unknown policy kind 'nope'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------------------------------ log plots
+def _write_log(path: Path, steps: int = 60) -> None:
+    lines = []
+    size, seen = 32, 0
+    for step in range(1, steps + 1):
+        seen += size
+        lines.append({"type": "step", "step": step, "samples_seen": seen, "batch/global_size": size,
+                      "loss": 2.0 / step if step != 7 else "nan", "lr": 0.01 * size / 32,
+                      "perf/step_time_s": 0.002})
+        if step % 20 == 0:
+            lines.append({"type": "decision", "step": step, "old_size": size, "new_size": size * 2,
+                          "controller": "MultiplicativeStep", "note": None, "inputs": {}})
+            size *= 2
+    path.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+
+
+@pytest.mark.parametrize("x", ["samples", "time"])
+def test_report_plots_a_log(tmp_path, capsys, x):
+    log = tmp_path / "run.jsonl"
+    _write_log(log)
+    out = tmp_path / "plots"
+    assert main(["report", str(log), "--out", str(out), "--x", x]) == 0
+    printed = capsys.readouterr().out.split()
+    for name in ("batch_size.png", "loss.png", "lr.png"):
+        assert_png(out / name)
+        assert str(out / name) in printed
+    assert sorted(p.name for p in out.iterdir()) == ["batch_size.png", "loss.png", "lr.png"]
+
+
+def test_plot_log_of_a_real_pilot_run(tmp_path):
+    from batchpilot import Pilot
+    from batchpilot.controllers.schedules import MultiplicativeStep
+
+    w = WORKLOADS["synthetic"]
+    train, _ = w.build_data(0)
+    model = w.build_model(0)
+    log = tmp_path / "pilot.jsonl"
+    pilot = Pilot(model, torch.optim.SGD(model.parameters(), lr=0.01), train, batch_size=16,
+                  controller=MultiplicativeStep(16, 2, every_steps=5, max_size=64), log_path=log, progress=False)
+    for x, y in pilot.batches(max_steps=20):
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    pilot.close()
+    paths = plot_log(log, tmp_path / "plots", x="time")
+    assert [p.name for p in paths] == ["batch_size.png", "loss.png", "lr.png"]
+    for p in paths:
+        assert_png(p)
+
+
+@pytest.mark.parametrize("content, fragment", [
+    (None, "does not exist"),
+    ("", "is empty"),
+    ("hello world\n", "line 1 is not JSON"),
+    ('{"type": "decision", "step": 1}\n', "none of type 'step'"),
+    ('[1, 2]\n', "not objects"),
+])
+def test_report_bad_log_exits_2(tmp_path, capsys, content, fragment):
+    log = tmp_path / "log.jsonl"
+    if content is not None:
+        log.write_text(content)
+    with pytest.raises(SystemExit) as info:
+        main(["report", str(log), "--out", str(tmp_path / "o")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err
+
+
+def test_missing_matplotlib_names_the_extra(monkeypatch, tmp_path):
+    log = tmp_path / "run.jsonl"
+    _write_log(log, steps=3)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r'pip install "batchpilot\[plot\]"'):
+        plot_log(log, tmp_path)
+
+
+# -------------------------------------------------------------------------------------- workloads
+def test_mnist1d_cnn_shapes_and_seeding():
+    model = mnist1d_cnn(0)
+    assert model(torch.zeros(3, 1, 40)).shape == (3, 10)
+    # conv 1*25*5+25, conv 25*25*3+25 (twice), linear 125*10+10: the paper's model.
+    assert sum(p.numel() for p in model.parameters()) == 150 + 1900 + 1900 + 1260
+    same, other = mnist1d_cnn(0), mnist1d_cnn(1)
+    for a, b, c in zip(model.parameters(), same.parameters(), other.parameters()):
+        assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_workload_model_building_leaves_global_rng_alone():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    WORKLOADS["mnist1d"].build_model(5)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_mnist1d_generation_and_cache(tmp_path, monkeypatch):
+    pytest.importorskip("mnist1d")
+    from batchpilot.bench.workloads import _mnist1d_data, load_mnist1d
+
+    monkeypatch.setenv("BATCHPILOT_CACHE", str(tmp_path))
+    np.random.seed(7)
+    expected_draw = np.random.rand()
+    np.random.seed(7)
+    data = load_mnist1d(num_samples=1000, seed=3)
+    assert np.random.rand() == expected_draw  # make_dataset reseeds numpy; we restore the state
+    assert data["x"].shape == (800, 40) and data["x_test"].shape == (200, 40)
+    assert data["x"].dtype == np.float32 and data["y"].dtype == np.int64
+    assert set(np.unique(data["y"])) == set(range(10))
+    cached = list(tmp_path.glob("mnist1d-1000-*.npz"))
+    assert len(cached) == 1
+    again = load_mnist1d(num_samples=1000, seed=3)  # from the cache now
+    for key in data:
+        np.testing.assert_array_equal(data[key], again[key])
+    other = load_mnist1d(num_samples=1000, seed=4)  # another key, another file
+    assert len(list(tmp_path.glob("mnist1d-1000-*.npz"))) == 2
+    assert not np.array_equal(other["x"], data["x"])
+
+    train, test = _mnist1d_data(3, num_samples=1000)
+    assert train.tensors[0].shape == (800, 1, 40) and train.tensors[0].dtype == torch.float32
+    assert test.tensors[1].shape == (200,) and test.tensors[1].dtype == torch.int64
+    logits = mnist1d_cnn(0)(train.tensors[0][:4])
+    assert logits.shape == (4, 10)
