@@ -203,6 +203,9 @@ class AdaptiveDataLoader:
                 pin_memory=pin_memory,
                 prefetch_factor=prefetch_factor,
                 persistent_workers=(self.num_workers > 0) if persistent_workers is None else persistent_workers,
+                # Worker seeds come from this generator, so starting or rewinding workers never draws from
+                # the global torch RNG (dropout and friends stay reproducible across resume).
+                generator=torch.Generator().manual_seed(self.sampler.seed),
             )
 
     # ------------------------------------------------------------------ size
