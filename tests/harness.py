@@ -26,7 +26,7 @@ Besides the futures, it checks the things that make resume bugs silent:
 Usage, for a class whose future depends on the step number (a controller, a schedule)::
 
     def make():
-        return LinearIncrease(start=32, step_size=32, every=10)
+        return LinearIncrease(start=32, increment=32, interval=10, max_size=1024)
 
     def advance(ctrl, step):                 # one step; ``step`` is its 0-based index
         ctrl.decide(obs_at(step))

@@ -427,7 +427,8 @@ def _without(key):
     ([1, 2], "not an AdaptiveBatchSampler state .*'list'.*pass the dict returned by AdaptiveBatchSampler.state_dict"),
     ("{}", "not an AdaptiveBatchSampler state .*'str'"),
     ({}, r"not an AdaptiveBatchSampler state \(format=None\)"),
-    ({"format": "batchpilot.Constant", "version": 1, "size": 3}, "not an AdaptiveBatchSampler state .*batchpilot.Constant"),
+    ({"format": "batchpilot.Constant", "version": 1, "size": 3},
+     "not an AdaptiveBatchSampler state .*batchpilot.Constant"),
     (_state(version=99), "version=99"),
     (_without("offset"), "missing offset"),
     (_without("samples_seen"), "missing samples_seen"),
@@ -437,7 +438,8 @@ def _without(key):
     (_state(batch_size=0), "batch_size must be >= 1, got 0"),
     (_state(epoch=-2), "epoch must be >= 0, got -2"),
     (_state(samples_seen=None), "samples_seen must be an int >= 0, got None"),
-    (_state(num_samples=11), "sampler state has num_samples=11 but this sampler has num_samples=10; resume with the same dataset"),
+    (_state(num_samples=11),
+     "sampler state has num_samples=11 but this sampler has num_samples=10; resume with the same dataset"),
     (_state(seed=2), "sampler state has seed=2 but this sampler has seed=1"),
     (_state(shuffle=False), "sampler state has shuffle=False but this sampler has shuffle=True"),
 ])
@@ -519,7 +521,10 @@ def test_harness_catches_broken_state_handling(cls, message):
 
 
 def test_assert_same_is_exact():
-    assert_same({"a": [1, 2.0, float("nan")], "t": torch.tensor([1.0])}, {"a": [1, 2.0, float("nan")], "t": torch.tensor([1.0])})
+    def value():
+        return {"a": [1, 2.0, float("nan")], "t": torch.tensor([1.0, float("nan")]), "n": np.arange(3)}
+
+    assert_same(value(), value())
     for a, b in [(1, 1.0), ([1], (1,)), (torch.tensor([1.0]), torch.tensor([1.0], dtype=torch.float64)),
                  ({"a": 1}, {"a": 1, "b": 2}), (torch.tensor([1.0]), torch.tensor([1.0 + 1e-7]))]:
         with pytest.raises(AssertionError):
