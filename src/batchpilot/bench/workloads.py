@@ -227,7 +227,7 @@ WORKLOADS: dict[str, Workload] = {
             build_model=mnist1d_cnn,
             base_lr=0.01,
             target_accuracy=0.98,
-            quick_target_accuracy=0.95,
+            quick_target_accuracy=0.97,
         ),
         Workload(
             name="synthetic",
