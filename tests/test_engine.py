@@ -353,3 +353,25 @@ def test_seed_003_scheduler_via_partial_and_constant_controller():
     for x, y in pilot.batches(max_steps=2):
         pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
     assert pilot.last_record["batch/global_size"] == 16
+
+
+def test_tensorboard_and_progress_bar(tmp_path, capsys):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ds, model = make_problem(64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=8, controller=lambda s, b: 16, tensorboard_dir=tmp_path,
+                             progress=True)
+    for x, y in pilot.batches(epochs=2):
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    pilot.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    sizes = events.Scalars("batch/global_size")
+    # epoch 0: 8 + 3 * 16, then the 8 samples left; epoch 1: 4 * 16
+    assert [e.value for e in sizes] == [8.0, 16.0, 16.0, 16.0, 8.0, 16.0, 16.0, 16.0, 16.0]
+    assert [e.step for e in sizes][:3] == [8, 24, 40]  # x axis: samples_seen
+    assert "loss" in events.Tags()["scalars"]
+    err = capsys.readouterr().err
+    assert "sample" in err and "B=16" in err  # the tqdm bar: samples, with the batch size in its postfix
