@@ -180,8 +180,10 @@ def main() -> None:
     }
     if not args.skip_loader:
         for workers in (0, 2):
+            t0 = time.perf_counter()
             variants = loader_variants(train, args.batch_size, workers)
             summary = summarize(interleaved(variants, args.rounds), "DataLoader (batched fetch)")
+            result["config"][f"loader_workers{workers}_s"] = time.perf_counter() - t0
             result["loader"][f"num_workers={workers}"] = summary
             print_table(f"(a) one epoch at batch {args.batch_size}, num_workers={workers}: time per batch "
                         "(ratio vs the batched DataLoader)", "batch", summary)

@@ -187,6 +187,7 @@ class Pilot:
         self.min_batch_size, self.max_batch_size = min_batch_size, max_batch_size
         self.on_invalid = on_invalid
         self.coupling = LRCoupling(optimizer, base_batch_size or batch_size, rule=lr_rule, knee=lr_knee)
+        self._couple = lr_rule != "none"  # "none" never changes the LR: skip the per-step work
         self.lr_schedulers = list(lr_schedulers)
         self.amp = amp
         if amp == "fp16" and self.device.type != "cuda":
@@ -217,7 +218,7 @@ class Pilot:
         # Per-micro-batch bookkeeping between a yield and the matching backward().
         self._micro: MicroBatch | None = None
         self._backward_done = False
-        self._loss_sum = torch.zeros((), dtype=torch.float64)
+        self._micro_losses: list[tuple[torch.Tensor, int]] = []  # (detached loss, weight in samples)
         self._step_clock = time.perf_counter()
 
     # ------------------------------------------------------------------ properties
@@ -286,7 +287,7 @@ class Pilot:
                 or (max_samples is not None and self.samples_seen >= max_samples)
             )
 
-        if not self.coupling.is_scaled:
+        if self._couple and not self.coupling.is_scaled:
             self.coupling.scale(self.batch_size)
         self._step_clock = time.perf_counter()
         try:
@@ -314,13 +315,17 @@ class Pilot:
     def _run_micro(self, micro: MicroBatch) -> Iterator[Any]:
         self._micro = micro
         self._backward_done = False
-        with contextlib.ExitStack() as stack:
-            if self._ddp and not micro.is_last:
-                stack.enter_context(self.model.no_sync())  # type: ignore[operator]
-            if self.amp is not None:
-                dtype = torch.bfloat16 if self.amp == "bf16" else torch.float16
-                stack.enter_context(torch.autocast(self.device.type, dtype=dtype))
-            yield _to_device(micro.data, self.device)
+        data = _to_device(micro.data, self.device)
+        if not (self._ddp or self.amp):
+            yield data  # the common case, without context managers
+        else:
+            with contextlib.ExitStack() as stack:
+                if self._ddp and not micro.is_last:
+                    stack.enter_context(self.model.no_sync())  # type: ignore[operator]
+                if self.amp is not None:
+                    dtype = torch.bfloat16 if self.amp == "bf16" else torch.float16
+                    stack.enter_context(torch.autocast(self.device.type, dtype=dtype))
+                yield data
         if not self._backward_done:
             raise RuntimeError(
                 "pilot.backward(loss) was not called for the last micro-batch; call it exactly once per "
@@ -349,12 +354,13 @@ class Pilot:
                 f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; reduce it with .mean() first."
             )
         n = micro.size  # 0 for a ghost micro-batch
-        per_sample = n if self.loss_reduction == "mean" else 1
-        self._loss_sum += loss.detach().double().cpu() * per_sample if n else 0.0
-        weight = (per_sample if n else 0) / micro.global_size
+        per_sample = (n if self.loss_reduction == "mean" else 1) if n else 0
+        if per_sample:
+            self._micro_losses.append((loss.detach(), per_sample))
+        weight = per_sample / micro.global_size
         if self._ddp:
             weight *= self.world_size  # DDP divides the summed gradients by the world size
-        scaled = loss * weight
+        scaled = loss if weight == 1.0 else loss * weight
         if self.scaler is not None:
             scaled = self.scaler.scale(scaled)
         scaled.backward()
@@ -365,9 +371,11 @@ class Pilot:
         size = micro.global_size
         if self.world_size > 1 and not self._ddp:
             bpdist.all_reduce_gradients(self._params)
-        loss_sum = bpdist.all_reduce_sum(self._loss_sum.reshape(1)) if self.world_size > 1 else self._loss_sum
-        loss = float(loss_sum.sum()) / size
-        self._loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = sum(float(value) * weight for value, weight in self._micro_losses)
+        self._micro_losses.clear()
+        if self.world_size > 1:
+            loss_sum = float(bpdist.all_reduce_sum(torch.tensor([loss_sum], dtype=torch.float64))[0])
+        loss = loss_sum / size
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         norm = grad_norm(self._params) if (self.skip_nonfinite or self.grad_clip is not None) else float("nan")
@@ -393,7 +401,8 @@ class Pilot:
 
         self.step += 1
         self.samples_seen += size
-        self.coupling.unscale()
+        if self._couple:
+            self.coupling.unscale()
         for scheduler in self.lr_schedulers:
             if isinstance(scheduler, SampleLRSchedule):
                 scheduler.step(self.samples_seen)
@@ -432,7 +441,8 @@ class Pilot:
 
         self._micro = None  # between steps from here on
         self._decide(record)
-        self.coupling.scale(self.batch_size)
+        if self._couple:
+            self.coupling.scale(self.batch_size)
         for fn in self._callbacks:
             fn(self, record)
         if self.checkpoint_every is not None and self.step % self.checkpoint_every == 0:

@@ -118,6 +118,7 @@ class LRCoupling:
         self._scaled = False
         self._unscaled_lrs: list[float] = []  # what scale() found, restored exactly by unscale()
         self._written_lrs: list[float] = []  # what scale() wrote
+        self._factor_cache: dict[int, float] = {}
 
     @property
     def factor(self) -> float:
@@ -135,8 +136,11 @@ class LRCoupling:
         return self._scaled
 
     def factor_for(self, batch_size: int) -> float:
-        """``lr_factor(self.rule, batch_size, self.base_batch_size, self.knee)``."""
-        return lr_factor(self.rule, batch_size, self.base_batch_size, self.knee)
+        """``lr_factor(self.rule, batch_size, self.base_batch_size, self.knee)`` (cached: it runs every step)."""
+        factor = self._factor_cache.get(batch_size)
+        if factor is None:
+            factor = self._factor_cache[batch_size] = lr_factor(self.rule, batch_size, self.base_batch_size, self.knee)
+        return factor
 
     def scale(self, batch_size: int) -> float:
         """Multiply every param group's LR by the factor for ``batch_size``; return the factor.

@@ -235,12 +235,14 @@ class _Run:
         t = self.train_time(now)
         step, samples = record["step"], record["samples_seen"]
         self.last = {"step": step, "samples_seen": samples}
-        size = pilot.batch_size  # the size of the next step (the decision has been made)
-        if size != self.batch_sizes[-1]["batch_size"]:
+        # The policy's size for the step just done (record["batch/global_size"] is smaller for the last,
+        # partial batch of an epoch), and the size of the next step (the decision has been made).
+        current, size = self.batch_sizes[-1]["batch_size"], pilot.batch_size
+        if size != current:
             self.batch_sizes.append({"step": step, "samples_seen": samples, "time_s": t, "batch_size": size})
         if samples >= self.next_eval:
             self.next_eval = (samples // self.eval_samples + 1) * self.eval_samples
-            self.evaluate(t, step, samples, record["batch/global_size"])
+            self.evaluate(t, step, samples, current)
             if self.reached is not None:
                 self.done = True
         if t >= self.budget_s:
@@ -284,15 +286,19 @@ def _train(
     model.train()
     run.begin(policy.batch_size)
     # A generous epoch limit: the callback stops the run (target reached or budget spent).
-    for x, y in pilot.batches(epochs=1_000_000, max_steps=max_steps):
-        if run.done:
-            break
-        pilot.backward(loss_fn(model(x), y))
-    pilot.close()
+    batches = pilot.batches(epochs=1_000_000, max_steps=max_steps)
+    try:
+        for x, y in batches:
+            if run.done:
+                break
+            pilot.backward(loss_fn(model(x), y))
+    finally:
+        batches.close()
+        pilot.close()
     wall = run.stopped_at if run.stopped_at is not None else run.train_time()
     last = run.curve[-1]
     if last["samples_seen"] != run.last["samples_seen"]:  # the run ended between evaluations
-        run.evaluate(wall, run.last["step"], run.last["samples_seen"], pilot.batch_size)
+        run.evaluate(wall, run.last["step"], run.last["samples_seen"], run.batch_sizes[-1]["batch_size"])
     reached = run.reached
     return {
         "policy": policy.name,
@@ -392,6 +398,8 @@ class _Progress:
             else:
                 self.bar = tqdm(total=round(budget_s, 1), desc=label, unit="s", leave=False, file=sys.stderr,
                                 bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.0f} s train {postfix}")
+                if getattr(self.bar, "disable", False):  # tqdm turned itself off: print lines instead
+                    self.bar = None
 
     def on_eval(self, point: dict[str, Any], run: _Run) -> None:
         if not self.enabled:

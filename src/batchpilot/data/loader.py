@@ -261,6 +261,10 @@ class AdaptiveDataLoader:
             return None
         share = sampler.local_share(batch)
         steps = accumulation_steps_for(len(batch), sampler.world_size, self.max_micro_batch_size)
+        if steps == 1 and len(share):  # the common case: one micro-batch per step
+            part = _Planned(share, 0, 1, len(share), len(batch), position)
+            self._planned.append(part)
+            return [part]
         parts = [
             _Planned(share[lo:hi], micro, steps, len(share), len(batch), position)
             if hi > lo
