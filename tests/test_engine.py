@@ -375,3 +375,17 @@ def test_tensorboard_and_progress_bar(tmp_path, capsys):
     assert "loss" in events.Tags()["scalars"]
     err = capsys.readouterr().err
     assert "sample" in err and "B=16" in err  # the tqdm bar: samples, with the batch size in its postfix
+
+
+def test_drop_last_reports_the_dropped_tail(tmp_path):
+    ds, model = make_problem(50)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=16, drop_last=True, log_path=tmp_path / "log.jsonl")
+    seen = 0
+    for x, y in pilot.batches(epochs=2):
+        seen += len(x)
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    pilot.close()
+    assert seen == 96 and pilot.loader.sampler.dropped_samples == 4  # 3 x 16 per epoch, 2 left each time
+    events = [r for r in batchpilot.read_log(tmp_path / "log.jsonl") if r["type"] == "event"]
+    assert [(e["event"], e["samples"], e["epoch"]) for e in events] == [("dropped_last", 2, 0), ("dropped_last", 2, 1)]

@@ -213,6 +213,7 @@ class Pilot:
         self._losses: collections.deque[float] = collections.deque(maxlen=loss_history)
         self._throughput: float | None = None
         self._override: int | None = None
+        self._dropped_reported = self.loader.sampler.dropped_samples
         self.last_record: dict[str, Any] = {}
         self.last_decision: dict[str, Any] | None = None
         # Per-micro-batch bookkeeping between a yield and the matching backward().
@@ -299,6 +300,11 @@ class Pilot:
                         self._finish_step(micro, bar)
                         if done():
                             return
+                dropped = self.loader.sampler.dropped_samples
+                if dropped != self._dropped_reported:  # drop_last dropped an epoch's incomplete final batch
+                    self._event("dropped_last", {"samples": dropped - self._dropped_reported, "epoch": self.epoch - 1},
+                                warn=False)
+                    self._dropped_reported = dropped
                 if self.step == steps_before and full_epoch:
                     raise RuntimeError(
                         f"an epoch produced no step: batch_size={self.loader.batch_size} exceeds the dataset size "
@@ -522,8 +528,8 @@ class Pilot:
             stats={"grad/norm": self.last_record.get("grad/norm", float("nan"))},
         )
 
-    def _event(self, kind: str, data: dict[str, Any]) -> None:
-        logger.warning("step %d: %s %s", self.step + 1, kind, data)
+    def _event(self, kind: str, data: dict[str, Any], warn: bool = True) -> None:
+        (logger.warning if warn else logger.info)("step %d: %s %s", self.step + 1, kind, data)
         if self._log is not None:
             self._log.write("event", {"step": self.step + 1, "event": kind, **data})
 
@@ -577,6 +583,7 @@ class Pilot:
             scheduler.load_state_dict(s)
         self.coupling.load_state_dict(state["coupling"])
         self.loader.load_state_dict(state["loader"])
+        self._dropped_reported = self.loader.sampler.dropped_samples
         if self.controller is not None and state["controller"] is not None:
             self.controller.load_state_dict(state["controller"])
         if self._stats_clip is not None and state["stats_clip"] is not None:
