@@ -45,6 +45,7 @@ class MicroBatch:
             loss gets weight 0 and it does not count as seen.
         epoch, offset: Position of the step's first sample: its epoch and the samples of that epoch
             consumed before the step.
+        step: 0-based index of the optimizer step this micro-batch belongs to.
     """
 
     data: Any
@@ -56,6 +57,7 @@ class MicroBatch:
     ghost: bool = False
     epoch: int = 0
     offset: int = 0
+    step: int = 0
 
     @property
     def size(self) -> int:
@@ -75,7 +77,7 @@ class _Planned:
     accumulation_steps: int
     local_size: int
     global_size: int
-    position: tuple[int, int, int, int]  # sampler (epoch, offset, samples_seen, dropped) at the step's start
+    position: tuple[int, int, int, int, int]  # (epoch, offset, samples_seen, dropped, step) at the step's start
     ghost: bool = False
 
 
@@ -193,6 +195,8 @@ class AdaptiveDataLoader:
         self._torch_loader: DataLoader | None = None
         self._iterator: Iterator[Any] | None = None
         self.rewinds = 0  # how often a size change discarded prefetched micro-batches
+        self._next_step = 0  # index of the next step to plan
+        self.min_accumulation: Callable[[int], int] | None = None  # step index -> least micro-batches
         if self.num_workers > 0 or pin_memory:
             fast = type(dataset) is TensorDataset and self.collate_fn is default_collate
             self._torch_loader = DataLoader(
@@ -235,7 +239,7 @@ class AdaptiveDataLoader:
     def _rewind(self) -> None:
         """Return to the start of the first unconsumed step, discarding what was planned after it."""
         s = self.sampler
-        s.epoch, s.offset, s.samples_seen, s.dropped_samples = self._planned[0].position
+        s.epoch, s.offset, s.samples_seen, s.dropped_samples, self._next_step = self._planned[0].position
         self._planned.clear()
         self._pending.clear()
         self._exhausted = False
@@ -255,12 +259,18 @@ class AdaptiveDataLoader:
     def _plan_step(self) -> list[_Planned] | None:
         """Cut the next global batch and plan its micro-batches; ``None`` at the end of the epoch."""
         sampler = self.sampler
-        position = (sampler.epoch, sampler.offset, sampler.samples_seen, sampler.dropped_samples)
+        position = (sampler.epoch, sampler.offset, sampler.samples_seen, sampler.dropped_samples, self._next_step)
         batch = sampler.next_global_batch()
         if batch is None:
             return None
         share = sampler.local_share(batch)
         steps = accumulation_steps_for(len(batch), sampler.world_size, self.max_micro_batch_size)
+        if self.min_accumulation is not None:
+            # More micro-batches on request (e.g. two half-batches for a gradient-noise measurement),
+            # never so many that a rank would get an empty one.
+            wanted = min(self.min_accumulation(self._next_step), len(batch) // sampler.world_size)
+            steps = max(steps, wanted)
+        self._next_step += 1
         if steps == 1 and len(share):  # the common case: one micro-batch per step
             part = _Planned(share, 0, 1, len(share), len(batch), position)
             self._planned.append(part)
@@ -355,13 +365,14 @@ class AdaptiveDataLoader:
             planned.ghost,
             planned.position[0],
             planned.position[1],
+            planned.position[4],
         )
 
     # ------------------------------------------------------------------ state
     def position(self) -> tuple[int, int, int]:
         """``(epoch, offset, samples_seen)`` at the first unconsumed step (prefetched steps excluded)."""
         if self._planned:
-            epoch, offset, seen, _ = self._planned[0].position
+            epoch, offset, seen, _, _ = self._planned[0].position
             return epoch, offset, seen
         s = self.sampler
         return s.epoch, s.offset, s.samples_seen
@@ -369,8 +380,11 @@ class AdaptiveDataLoader:
     def state_dict(self) -> dict[str, Any]:
         """The sampler position at the first unconsumed step (JSON-serialisable); call between steps."""
         state = self.sampler.state_dict()
+        state["step"] = self._next_step
         if self._planned:  # planned but unconsumed steps are not part of the position
-            state["epoch"], state["offset"], state["samples_seen"], state["dropped_samples"] = self._planned[0].position
+            state["epoch"], state["offset"], state["samples_seen"], state["dropped_samples"], state["step"] = (
+                self._planned[0].position
+            )
         state["max_micro_batch_size"] = self.max_micro_batch_size
         return state
 
@@ -378,8 +392,10 @@ class AdaptiveDataLoader:
         """Continue from a :meth:`state_dict` (possibly saved under another world size)."""
         state = dict(state)
         micro = state.pop("max_micro_batch_size", self.max_micro_batch_size)
+        step = state.pop("step", 0)
         self.sampler.load_state_dict(state)
         self.max_micro_batch_size = micro
+        self._next_step = int(step)
         self._planned.clear()
         self._pending.clear()
         self._exhausted = False
