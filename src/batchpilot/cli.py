@@ -120,6 +120,10 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     out = Path(args.out)
     try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"--out {str(out)!r} cannot be used as the output folder ({exc.strerror}); pass another folder.")
+    try:
         results = run_benchmark(workload, policies, seeds, target, budget, out, args.eval_every, args.progress)
     except ImportError as exc:  # a missing optional extra (mnist1d)
         parser.exit(2, f"batchpilot bench: error: {exc}\n")
@@ -134,7 +138,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"batchpilot bench: no plots: {exc}", file=sys.stderr)
         print(f"\nresults: {out / 'results.json'}")
         return 0
-    print(f"\nreport: {out / 'report.md'} (plots and results.json in {out}{'/' if str(out)[-1:] != '/' else ''})")
+    print(f"\nreport: {out / 'report.md'} (plots and results.json beside it)")
     return 0
 
 

@@ -42,6 +42,7 @@ from .clipping import StatsClip, grad_norm
 from .controllers.base import Controller, Observation, validate_decision
 from .data.loader import AdaptiveDataLoader, MicroBatch
 from .logs import AdjustmentLog, ProgressBar, TensorBoardSink
+from .measure import GradientNoiseProbe
 from .lr import LRCoupling, SampleLRSchedule
 
 logger = logging.getLogger("batchpilot")
@@ -87,6 +88,9 @@ class Pilot:
         loss_reduction: Whether the loss given to :meth:`backward` is the ``"mean"`` or the ``"sum"``
             over its micro-batch.
         loss_history: How many recent step losses an :class:`Observation` carries.
+        noise_every: Measure the gradient noise scale (McCandlish et al. 2018) on every N-th step, from
+            micro-batch gradients; a step with one micro-batch is split in two on those steps. ``None``
+            measures only when the controller reads gradient statistics (its ``required_stats``).
         rank, world_size: Override what ``torch.distributed`` reports (for tests).
 
     Raises:
@@ -129,6 +133,7 @@ class Pilot:
         keep_checkpoints: int = 2,
         loss_reduction: str = "mean",
         loss_history: int = 50,
+        noise_every: int | None = None,
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
@@ -140,6 +145,7 @@ class Pilot:
             amp=lambda: check_choice(amp, "amp", (None, "bf16", "fp16")),
             loss_reduction=lambda: check_choice(loss_reduction, "loss_reduction", ("mean", "sum")),
             loss_history=lambda: check_positive_int(loss_history, "loss_history"),
+            noise_every=lambda: noise_every is None or check_positive_int(noise_every, "noise_every"),
             keep_checkpoints=lambda: check_positive_int(keep_checkpoints, "keep_checkpoints"),
             checkpoint_every=lambda: checkpoint_every is None or check_positive_int(checkpoint_every, "checkpoint_every"),
             grad_clip=lambda: _check_grad_clip(grad_clip),
@@ -205,6 +211,11 @@ class Pilot:
         self._tb = TensorBoardSink(tensorboard_dir) if (tensorboard_dir is not None and self._lead) else None
         self._progress_enabled = progress if self._lead else False
         self._callbacks: list[StepCallback] = []
+        if noise_every is None and _needs_gradient_stats(self.controller):
+            noise_every = 4
+        self._noise = GradientNoiseProbe(self._params, every=noise_every) if noise_every else None
+        if self._noise is not None:
+            self.loader.min_accumulation = self._noise.min_accumulation
 
         # Counters of *consumed* data (the loader may have planned further ahead).
         self.step = 0
@@ -321,6 +332,8 @@ class Pilot:
     def _run_micro(self, micro: MicroBatch) -> Iterator[Any]:
         self._micro = micro
         self._backward_done = False
+        if micro.micro_index == 0 and self._noise is not None:
+            self._noise.begin_step(micro.step)
         data = _to_device(micro.data, self.device)
         if not (self._ddp or self.amp):
             yield data  # the common case, without context managers
@@ -371,6 +384,9 @@ class Pilot:
             scaled = self.scaler.scale(scaled)
         scaled.backward()
         self._backward_done = True
+        if self._noise is not None and self._noise.measuring:
+            grad_scale = 1.0 if self.scaler is None else float(self.scaler.get_scale())
+            self._noise.after_backward(n, micro.global_size, synced=self._ddp and micro.is_last, grad_scale=grad_scale)
 
     # ------------------------------------------------------------------ step end
     def _finish_step(self, micro: MicroBatch, bar: ProgressBar) -> None:
@@ -384,7 +400,10 @@ class Pilot:
         loss = loss_sum / size
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        norm = grad_norm(self._params) if (self.skip_nonfinite or self.grad_clip is not None) else float("nan")
+        measuring = self._noise is not None and self._noise.measuring
+        needs_norm = self.skip_nonfinite or self.grad_clip is not None or measuring
+        norm = grad_norm(self._params) if needs_norm else float("nan")
+        stats = self._noise.end_step(size, norm * norm) if self._noise is not None else {}
         finite = math.isfinite(loss) and (math.isfinite(norm) or not self.skip_nonfinite)
         lr = self.optimizer.param_groups[0]["lr"]
         skipped = False
@@ -437,6 +456,7 @@ class Pilot:
             "perf/step_time_s": step_time,
             "perf/samples_per_s": rate,
             "train/skipped_steps": self.skipped_steps,
+            **stats,
         }
         self.last_record = record
         if self._log is not None:
@@ -525,7 +545,7 @@ class Pilot:
             num_samples=self.num_samples,
             losses=tuple(self._losses),
             samples_per_s=self._throughput,
-            stats={"grad/norm": self.last_record.get("grad/norm", float("nan"))},
+            stats={k: v for k, v in self.last_record.items() if k.startswith(("stats/", "grad/", "perf/", "system/"))},
         )
 
     def _event(self, kind: str, data: dict[str, Any], warn: bool = True) -> None:
@@ -559,6 +579,7 @@ class Pilot:
             "loader": self.loader.state_dict(),
             "controller": None if self.controller is None else self.controller.state_dict(),
             "stats_clip": None if self._stats_clip is None else self._stats_clip.state_dict(),
+            "noise": None if self._noise is None else self._noise.state_dict(),
             "rng": _gather_rng(self.world_size),
             "log_position": None if self._log is None else self._log.position(),
         }
@@ -588,6 +609,8 @@ class Pilot:
             self.controller.load_state_dict(state["controller"])
         if self._stats_clip is not None and state["stats_clip"] is not None:
             self._stats_clip.load_state_dict(state["stats_clip"])
+        if self._noise is not None and state.get("noise") is not None:
+            self._noise.load_state_dict(state["noise"])
         _restore_rng(state["rng"], self.rank, self.world_size)
         if self._log is not None and state["log_position"] is not None:
             self._log.truncate(state["log_position"])
@@ -682,6 +705,12 @@ def _as_controller(value: Any) -> Controller | None:
     from .controllers.schedules import Schedule
 
     return Schedule(value)
+
+
+def _needs_gradient_stats(controller: Any) -> bool:
+    """Whether a controller reads gradient statistics (it lists them in ``required_stats``)."""
+    required = getattr(controller, "required_stats", ())
+    return any(key.startswith("stats/") for key in required)
 
 
 def _name(controller: Any) -> str:

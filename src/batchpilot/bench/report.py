@@ -203,15 +203,19 @@ def _markdown(results: dict[str, Any]) -> str:
         "",
         "## Runs",
         "",
-        "| policy | seed | time to target | steps | samples | final acc | training time |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| policy | seed | time to target | steps | samples | final acc | training time | samples/s | load avg |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results["runs"]:
         lines.append(
             f"| {r['policy']} | {r['seed']} | {_fmt(r['time_to_target_s'], '.2f', ' s')} | "
             f"{_fmt(r['steps_to_target'], ',')} | {_fmt(r['samples_to_target'], ',')} | "
-            f"{_fmt(r['final_accuracy'], '.4f')} | {_fmt(r['wall_s'], '.1f', ' s')} |"
+            f"{_fmt(r['final_accuracy'], '.4f')} | {_fmt(r['wall_s'], '.1f', ' s')} | "
+            f"{_fmt(r.get('samples_per_s'), ',.0f')} | {_fmt(r.get('load_avg_1min'), '.1f')} |"
         )
+    lines += ["", "Steps and samples to target do not depend on the machine's load (same seed and thread "
+              "count, same numbers); times do. A high load average (other processes) marks a run whose time "
+              "is inflated."]
     if cfg:
         lines += ["", "## Setup", ""]
         for key in ("description", "seeds", "budget_s", "train_samples", "test_samples", "torch",

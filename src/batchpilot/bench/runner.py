@@ -313,6 +313,9 @@ def _train(
         "eval_s": run.eval_s,
         "steps": run.last["step"],
         "samples": run.last["samples_seen"],
+        "samples_per_s": run.last["samples_seen"] / wall if wall > 0 else None,
+        # 1-minute load average at the end of the run: a busy machine explains a slow run.
+        "load_avg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "batch_sizes": run.batch_sizes,
         "curve": run.curve,
     }

@@ -32,8 +32,9 @@ What is estimated, with any optimizer: the noise scale of the *raw* stochastic g
 ``.grad`` that backward produces, after unscaling AMP, before clipping). With SGD (with or without
 momentum) that is the paper's quantity. With Adam and other preconditioned methods it is still the raw
 gradient's noise scale, not that of the preconditioned update; the paper's optimizer-aware variant
-(``B_noise = tr(H Sigma) / G^T H G``) would need the Hessian and is not estimated. Empirically the raw
-``B_simple`` is still a good guide to the critical batch size with Adam (McCandlish et al., Sec. 3).
+(``B_noise = tr(H Sigma) / G^T H G``) would need the Hessian and is not estimated. The paper itself uses
+the raw ``B_simple`` as its practical predictor of the critical batch size, Adam-trained tasks included;
+treat it as a guide to the batch-size scale, not as an exact optimum for any optimizer.
 """
 
 from __future__ import annotations

@@ -1,0 +1,102 @@
+"""Engine-side measurement: turns what happens during a step into the numbers the estimators need.
+
+The estimators in :mod:`batchpilot.stats` are pure; this module is where the engine's gradients,
+timings and losses are read. It is kept out of ``engine.py`` so that the loop stays readable.
+
+Gradient noise (McCandlish et al. 2018): on a measured step every micro-batch whose gradient is visible
+before any cross-rank reduction is a "small" batch; the step's final (reduced) gradient is the "big" one.
+The increment of ``.grad`` by micro-batch ``j`` is ``(n_j / B) g_j`` (the engine's loss weighting), so
+``|g_j|^2 = |increment|^2 (B / n_j)^2``. Under DDP the last micro-batch's backward already all-reduces,
+so it is not a small batch; without DDP all of them are. A step with a single micro-batch is split in
+two on measured steps (``min_accumulation``), which keeps the estimate unbiased.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from .stats.noise_scale import NoiseScaleEstimator
+
+
+class GradientNoiseProbe:
+    """Measures micro-batch gradient norms on every ``every``-th step and feeds a noise-scale estimator.
+
+    Args:
+        params: The trained parameters.
+        every: Measure on steps whose index is a multiple of ``every``.
+        ema_decay: Smoothing of the estimator (see :class:`~batchpilot.stats.NoiseScaleEstimator`).
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], every: int = 4, ema_decay: float = 0.95) -> None:
+        self.params = params
+        self.every = every
+        self.estimator = NoiseScaleEstimator(ema_decay=ema_decay)
+        self.measuring = False
+        self._prev: list[torch.Tensor] | None = None
+        self._sq_norms: list[float] = []
+        self._sizes: list[int] = []
+        self.seconds = 0.0  # time spent measuring, for the overhead report
+
+    def min_accumulation(self, step_index: int) -> int:
+        """Micro-batches the loader must plan for ``step_index`` (2 on measured steps, else 1)."""
+        return 2 if step_index % self.every == 0 else 1
+
+    def begin_step(self, step_index: int) -> None:
+        self.measuring = step_index % self.every == 0
+        self._sq_norms.clear()
+        self._sizes.clear()
+        if self.measuring and self._prev is not None:
+            torch._foreach_zero_(self._prev)
+
+    def after_backward(self, size: int, global_size: int, synced: bool, grad_scale: float = 1.0) -> None:
+        """Record micro-batch ``j``'s gradient norm (``synced``: this backward already reduced over ranks;
+        ``grad_scale``: the AMP loss scale the gradients still carry)."""
+        if not self.measuring or synced or size == 0:
+            return
+        start = time.perf_counter()
+        grads = self._grads()
+        if self._prev is None:
+            self._prev = [torch.zeros_like(g) for g in grads]
+        increment = torch._foreach_sub(grads, self._prev)
+        sq = sum(float(n) ** 2 for n in torch._foreach_norm(increment))
+        torch._foreach_copy_(self._prev, grads)
+        self._sq_norms.append(sq * (global_size / (size * grad_scale)) ** 2)
+        self._sizes.append(size)
+        self.seconds += time.perf_counter() - start
+
+    def end_step(self, global_size: int, grad_sq_norm: float) -> dict[str, float]:
+        """Update the estimator with the step's reduced gradient; return the current estimates."""
+        if self.measuring and self._sizes and math.isfinite(grad_sq_norm):
+            k = len(self._sizes)
+            b_small = k / sum(1.0 / n for n in self._sizes)
+            sq_small = sum(self._sq_norms) / k
+            if global_size > b_small and all(math.isfinite(s) for s in self._sq_norms):
+                self.estimator.update(b_small, sq_small, global_size, grad_sq_norm)
+        self.measuring = False
+        return self.values()
+
+    def values(self) -> dict[str, float]:
+        est = self.estimator
+        out: dict[str, float] = {}
+        if est.grad_sq_norm is not None:
+            out["stats/grad_sq_norm"] = est.grad_sq_norm
+        if est.trace_cov is not None:
+            out["stats/trace_cov"] = est.trace_cov
+            out["stats/grad_variance"] = est.trace_cov  # seed 002's sigma_t^2, estimated from micro-batches
+        if est.b_simple is not None:
+            out["stats/noise_scale"] = est.b_simple
+        return out
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"every": self.every, "estimator": self.estimator.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.every = int(state["every"])
+        self.estimator.load_state_dict(state["estimator"])

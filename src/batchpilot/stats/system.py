@@ -1,0 +1,118 @@
+"""System metrics for controllers that look at the machine (seed 000's "GPU utilisation < 70% -> grow").
+
+:class:`SystemMonitor` reads, without blocking:
+
+* ``system/cpu_util``: system-wide CPU utilisation in percent (0..100) since the previous sample
+  (``psutil.cpu_percent(None)``; the monitor primes it when built, so the first sample is meaningful);
+* ``system/mem_used_frac``: ``(total - available) / total`` of the host's memory (psutil);
+* ``system/gpu_util``: percent of the last sample period in which the GPU ran a kernel (NVML, from the
+  optional ``nvidia-ml-py`` package: ``pip install "batchpilot[gpu]"``);
+* ``system/gpu_mem_frac``: used fraction of the GPU's memory, all processes included
+  (``torch.cuda.mem_get_info`` once this process has a CUDA context, else NVML).
+
+A metric that cannot be measured here is absent from the result, never a made-up number: no GPU keys
+without CUDA, no ``system/gpu_util`` without ``nvidia-ml-py``. psutil itself is an optional extra
+(``batchpilot[system]``): importing batchpilot never needs it, building a monitor does.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+__all__ = ["SystemMonitor"]
+
+logger = logging.getLogger("batchpilot")
+
+
+class SystemMonitor:
+    """Cheap, non-blocking samples of CPU, memory and (when present) GPU load.
+
+    Args:
+        device: The CUDA device to report on (index, ``"cuda:1"`` or ``torch.device``); default: the current
+            CUDA device when CUDA is available. A non-CUDA device (``"cpu"``) or no CUDA: no GPU metrics.
+
+    Raises:
+        ImportError: psutil is not installed (``pip install "batchpilot[system]"``).
+    """
+
+    def __init__(self, device: int | str | torch.device | None = None) -> None:
+        try:
+            import psutil
+        except ImportError as err:
+            raise ImportError(
+                'SystemMonitor needs psutil, which is not installed: pip install "batchpilot[system]" '
+                "(or pip install psutil)."
+            ) from err
+        self._psutil = psutil
+        psutil.cpu_percent(None)  # the first call only starts the interval; later calls measure since then
+        self._cuda_index: int | None = None
+        self._nvml: Any = None
+        self._nvml_handle: Any = None
+        dev = None if device is None else torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if torch.cuda.is_available() and (dev is None or dev.type == "cuda"):
+            index = torch.cuda.current_device() if dev is None or dev.index is None else dev.index
+            self._cuda_index = index
+            self._nvml, self._nvml_handle = _nvml_handle(index)
+
+    @property
+    def gpu_available(self) -> bool:
+        """Whether GPU metrics are reported (CUDA is available)."""
+        return self._cuda_index is not None
+
+    def sample(self) -> dict[str, float]:
+        """The current readings under their ``system/...`` names (see the module docstring)."""
+        psutil = self._psutil
+        mem = psutil.virtual_memory()
+        out = {
+            "system/cpu_util": float(psutil.cpu_percent(None)),
+            "system/mem_used_frac": float((mem.total - mem.available) / mem.total),
+        }
+        if self._cuda_index is None:
+            return out
+        if self._nvml_handle is not None:
+            try:
+                out["system/gpu_util"] = float(self._nvml.nvmlDeviceGetUtilizationRates(self._nvml_handle).gpu)
+            except Exception as err:  # NVML errors are their own exception class; a missing reading is absent
+                logger.debug("NVML utilisation query failed: %s", err)
+        mem_frac = self._gpu_mem_frac()
+        if mem_frac is not None:
+            out["system/gpu_mem_frac"] = mem_frac
+        return out
+
+    def _gpu_mem_frac(self) -> float | None:
+        # mem_get_info needs a CUDA context; creating one just to read memory would itself use memory,
+        # so without one (a CPU run on a GPU machine) ask NVML instead.
+        if torch.cuda.is_initialized():
+            free, total = torch.cuda.mem_get_info(self._cuda_index)
+            return float(1.0 - free / total) if total else None
+        if self._nvml_handle is not None:
+            try:
+                info = self._nvml.nvmlDeviceGetMemoryInfo(self._nvml_handle)
+                return float(info.used / info.total) if info.total else None
+            except Exception as err:
+                logger.debug("NVML memory query failed: %s", err)
+        return None
+
+
+def _nvml_handle(index: int) -> tuple[Any, Any]:
+    """``(pynvml, handle)`` for torch's CUDA device ``index``, or ``(None, None)`` without NVML.
+
+    torch numbers devices after ``CUDA_VISIBLE_DEVICES``; NVML sees all of them. The device UUID maps one
+    to the other; the index is used only when torch cannot report the UUID."""
+    try:
+        import pynvml  # from the nvidia-ml-py package
+    except ImportError:
+        return None, None
+    try:
+        pynvml.nvmlInit()
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+        if uuid is not None:
+            text = str(uuid)
+            return pynvml, pynvml.nvmlDeviceGetHandleByUUID(text if text.startswith("GPU-") else f"GPU-{text}")
+        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception as err:  # no driver, no permission, unknown UUID: report no NVML metrics
+        logger.debug("NVML unavailable: %s", err)
+        return None, None

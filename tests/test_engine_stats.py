@@ -1,0 +1,73 @@
+"""Statistics measured by the engine: the gradient noise scale from micro-batches (McCandlish et al. 2018)
+on a least-squares problem whose true |G|^2 and tr(Sigma) are known in closed form."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import batchpilot
+
+
+def least_squares(d: int = 20, n: int = 100_000, noise: float = 0.5, seed: int = 0):
+    """y = x.w* + eps with x ~ N(0, I), eps ~ N(0, noise^2); per-example loss 0.5 (x.w - y)^2.
+
+    At w = w* + u the per-example gradient is g = x (x.u - eps): E g = u, and
+    E|g|^2 = E[(x.u)^2 |x|^2] + noise^2 E|x|^2 = (d + 2)|u|^2 + d noise^2 (Gaussian fourth moments),
+    so |G|^2 = |u|^2 and tr(Sigma) = E|g|^2 - |G|^2 = (d + 1)|u|^2 + d noise^2.
+    """
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    w_star = torch.randn(d, generator=g, dtype=torch.float64)
+    y = x @ w_star + noise * torch.randn(n, generator=g, dtype=torch.float64)
+    model = torch.nn.Linear(d, 1, bias=False).double()
+    u = 0.3 * torch.randn(d, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        model.weight.copy_((w_star + u).view(1, -1))
+    true_g2 = float(u @ u)
+    true_tr = (d + 1) * true_g2 + d * noise**2
+    return TensorDataset(x, y), model, true_g2, true_tr
+
+
+@pytest.mark.parametrize("micro", [None, 64])
+def test_noise_scale_matches_the_closed_form(micro):
+    ds, model, true_g2, true_tr = least_squares()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # weights fixed, so the true values stay fixed
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=256, noise_every=1, max_micro_batch_size=micro)
+    accumulation = []
+    for x, y in pilot.batches(max_steps=300):
+        accumulation.append(pilot.micro_batch.accumulation_steps)
+        pilot.backward(0.5 * ((model(x).view(-1) - y) ** 2).mean())
+    record = pilot.last_record
+    # One micro-batch per step is split in two on measured steps; 256 / 64 gives 4 micro-batches anyway.
+    assert set(accumulation) == ({2} if micro is None else {4})
+    assert record["stats/grad_sq_norm"] == pytest.approx(true_g2, rel=0.1)
+    assert record["stats/trace_cov"] == pytest.approx(true_tr, rel=0.1)
+    assert record["stats/noise_scale"] == pytest.approx(true_tr / true_g2, rel=0.1)
+
+
+def test_noise_measurement_every_k_steps_only_splits_those_steps(tmp_path):
+    ds, model, _, _ = least_squares(n=5000)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=32, noise_every=3, log_path=tmp_path / "log.jsonl")
+    steps = []
+    for x, y in pilot.batches(max_steps=12):
+        micro = pilot.micro_batch
+        if micro.micro_index == 0:
+            steps.append((micro.step, micro.accumulation_steps))
+        pilot.backward(0.5 * ((model(x).view(-1) - y) ** 2).mean())
+    pilot.close()
+    assert steps == [(s, 2 if s % 3 == 0 else 1) for s in range(12)]
+    records = [r for r in batchpilot.read_log(tmp_path / "log.jsonl") if r["type"] == "step"]
+    assert "stats/noise_scale" in records[-1]
+
+
+def test_no_gradient_statistics_unless_asked():
+    ds, model, _, _ = least_squares(n=1000)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=32)
+    for x, y in pilot.batches(max_steps=4):
+        assert pilot.micro_batch.accumulation_steps == 1
+        pilot.backward(0.5 * ((model(x).view(-1) - y) ** 2).mean())
+    assert not any(k.startswith("stats/") for k in pilot.last_record)
