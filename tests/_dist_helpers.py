@@ -58,7 +58,7 @@ def train(steps: int, rank: int, world_size: int, wrap_ddp: bool, micro: int | N
     controller = SizeList(SIZES) if rank == 0 else SizeList([0])
     pilot = batchpilot.Pilot(
         model, opt, make_data(), batch_size=4, controller=controller, max_micro_batch_size=micro, seed=5,
-        lr_rule="linear", base_batch_size=4,
+        lr_rule="linear", base_batch_size=4, noise_every=2,
     )
     records: list[dict] = []
     current: list[int] = []
@@ -75,7 +75,8 @@ def train(steps: int, rank: int, world_size: int, wrap_ddp: bool, micro: int | N
             records[-1]["indices"] = current
             current = []
     module = model.module if wrap_ddp else model
-    return {"records": records, "weights": [p.detach().tolist() for p in module.parameters()]}
+    noise = {k: v for k, v in pilot.last_record.items() if k.startswith("stats/")}
+    return {"records": records, "weights": [p.detach().tolist() for p in module.parameters()], "noise": noise}
 
 
 def worker(rank: int, world_size: int, init_file: str, out_dir: str, steps: int, wrap_ddp: bool, micro) -> None:

@@ -191,6 +191,14 @@ def test_cli_bad_input_exits_2_with_a_message(argv, fragment, capsys, tmp_path):
     assert not (tmp_path / "results.json").exists()
 
 
+def test_cli_out_that_is_a_file_exits_2(tmp_path, capsys):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("x")
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--workload", "synthetic", "--out", str(not_a_folder)])
+    assert info.value.code == 2 and "cannot be used as the output folder" in capsys.readouterr().err
+
+
 def test_get_workload_lists_the_names():
     assert get_workload("synthetic") is WORKLOADS["synthetic"]
     with pytest.raises(ValueError, match="choose one of: mnist1d, synthetic"):

@@ -403,7 +403,9 @@ class Pilot:
         measuring = self._noise is not None and self._noise.measuring
         needs_norm = self.skip_nonfinite or self.grad_clip is not None or measuring
         norm = grad_norm(self._params) if needs_norm else float("nan")
-        stats = self._noise.end_step(size, norm * norm) if self._noise is not None else {}
+        stats = {}
+        if self._noise is not None:
+            stats = self._noise.end_step(size, norm * norm, bpdist.all_reduce_sum if self.world_size > 1 else None)
         finite = math.isfinite(loss) and (math.isfinite(norm) or not self.skip_nonfinite)
         lr = self.optimizer.param_groups[0]["lr"]
         skipped = False

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -68,14 +68,23 @@ class GradientNoiseProbe:
         self._sizes.append(size)
         self.seconds += time.perf_counter() - start
 
-    def end_step(self, global_size: int, grad_sq_norm: float) -> dict[str, float]:
-        """Update the estimator with the step's reduced gradient; return the current estimates."""
-        if self.measuring and self._sizes and math.isfinite(grad_sq_norm):
-            k = len(self._sizes)
-            b_small = k / sum(1.0 / n for n in self._sizes)
-            sq_small = sum(self._sq_norms) / k
-            if global_size > b_small and all(math.isfinite(s) for s in self._sq_norms):
-                self.estimator.update(b_small, sq_small, global_size, grad_sq_norm)
+    def end_step(
+        self, global_size: int, grad_sq_norm: float, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> dict[str, float]:
+        """Update the estimator with the step's reduced gradient; return the current estimates.
+
+        ``reduce`` sums a small tensor over ranks (every rank must call this on a measured step): the
+        small-batch norms of all ranks then enter one estimate, identical everywhere.
+        """
+        if self.measuring:
+            totals = [float(len(self._sizes)), sum(1.0 / n for n in self._sizes), sum(self._sq_norms)]
+            if reduce is not None:
+                totals = reduce(torch.tensor(totals, dtype=torch.float64)).tolist()
+            k, inverse_sizes, sq_sum = totals
+            if k > 0 and math.isfinite(sq_sum) and math.isfinite(grad_sq_norm):
+                b_small = k / inverse_sizes  # harmonic mean of the small batch sizes
+                if global_size > b_small:
+                    self.estimator.update(b_small, sq_sum / k, global_size, grad_sq_norm)
         self.measuring = False
         return self.values()
 

@@ -1,6 +1,8 @@
 """Controllers: decide the global batch size of the next step from an :class:`Observation`."""
 
 from .base import Controller, InvalidDecisionError, Observation, validate_decision
+from .goodput import Goodput
+from .noise_scale import NoiseScale
 from .schedules import (
     Constant,
     Exponential,
@@ -11,17 +13,23 @@ from .schedules import (
     WarmupRamp,
     linear_increase_scheduler,
 )
+from .threshold_rules import ThresholdRules
+from .variance_rule import VarianceRule
 
 __all__ = [
     "Constant",
     "Controller",
     "Exponential",
+    "Goodput",
     "InvalidDecisionError",
     "LinearIncrease",
     "MultiplicativeStep",
+    "NoiseScale",
     "Observation",
     "Piecewise",
     "Schedule",
+    "ThresholdRules",
+    "VarianceRule",
     "WarmupRamp",
     "linear_increase_scheduler",
     "validate_decision",

@@ -54,7 +54,7 @@ class NoiseScale:
         factor: Multiplier of ``B_simple`` (1.0: train at the estimated critical batch size).
         min_size, max_size: Bounds of every decision.
         smoothing: Per-step EMA decay in ``[0, 1)`` of ``log(B_simple)``; 0 disables the smoothing.
-        hysteresis: Relative dead band (``> 0``): 0.2 means the target must differ from the current size
+        hysteresis: Relative dead band (``>= 0``): 0.2 means the target must differ from the current size
             by more than a factor of 1.2 before the size changes.
         interval: Steps between decisions.
         allow_shrink: Allow decreases (default ``False``: monotone growth, as ``B_simple`` grows during
@@ -88,7 +88,7 @@ class NoiseScale:
             hint=" It is the per-step EMA decay: 0 = no smoothing, 0.9 ~ a 10-step window.",
         )
         self.hysteresis = check_real(
-            hysteresis, "hysteresis", low=0.0, hint=" It is relative: 0.2 = change only beyond a 20% difference."
+            hysteresis, "hysteresis", low=0.0, low_inclusive=True, hint=" It is relative: 0.2 = change only beyond a 20% difference."
         )
         self.interval = check_interval(interval)
         if not isinstance(allow_shrink, bool):
