@@ -73,7 +73,7 @@ def test_sigkill_then_resume_equals_the_uninterrupted_run(tmp_path, reference, k
     # The log reads as if the run had never been interrupted.
     ref_log = [r for r in batchpilot.read_log(reference / "log.jsonl") if r["type"] != "event"]
     log = [r for r in batchpilot.read_log(tmp_path / "log.jsonl") if r["type"] != "event"]
-    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rs]  # noqa: E731
+    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(("perf/", "system/"))} for r in rs]  # noqa: E731
     inputs = lambda rs: [{**r, "inputs": None} if r["type"] == "decision" else r for r in rs]  # noqa: E731
     assert inputs(strip(log)) == inputs(strip(ref_log))
 

@@ -42,7 +42,7 @@ from .clipping import StatsClip, grad_norm
 from .controllers.base import Controller, Observation, validate_decision
 from .data.loader import AdaptiveDataLoader, MicroBatch
 from .logs import AdjustmentLog, ProgressBar, TensorBoardSink
-from .measure import GradientNoiseProbe
+from .measure import GradientNoiseProbe, StepMeter
 from .lr import LRCoupling, SampleLRSchedule
 
 logger = logging.getLogger("batchpilot")
@@ -91,6 +91,8 @@ class Pilot:
         noise_every: Measure the gradient noise scale (McCandlish et al. 2018) on every N-th step, from
             micro-batch gradients; a step with one micro-batch is split in two on those steps. ``None``
             measures only when the controller reads gradient statistics (its ``required_stats``).
+        system_every: Sample CPU/memory/GPU load every N steps (needs ``batchpilot[system]``; ``None``: off).
+            The loss trend and the throughput model (time per micro-batch ``a + b*m``) are always on.
         rank, world_size: Override what ``torch.distributed`` reports (for tests).
 
     Raises:
@@ -134,6 +136,7 @@ class Pilot:
         loss_reduction: str = "mean",
         loss_history: int = 50,
         noise_every: int | None = None,
+        system_every: int | None = 10,
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
@@ -214,6 +217,7 @@ class Pilot:
         if noise_every is None and _needs_gradient_stats(self.controller):
             noise_every = 4
         self._noise = GradientNoiseProbe(self._params, every=noise_every) if noise_every else None
+        self._meter = StepMeter(system_every=system_every, device=self.device)
         if self._noise is not None:
             self.loader.min_accumulation = self._noise.min_accumulation
 
@@ -335,6 +339,7 @@ class Pilot:
         if micro.micro_index == 0 and self._noise is not None:
             self._noise.begin_step(micro.step)
         data = _to_device(micro.data, self.device)
+        started = time.perf_counter()
         if not (self._ddp or self.amp):
             yield data  # the common case, without context managers
         else:
@@ -345,6 +350,8 @@ class Pilot:
                     dtype = torch.bfloat16 if self.amp == "bf16" else torch.float16
                     stack.enter_context(torch.autocast(self.device.type, dtype=dtype))
                 yield data
+        if not micro.ghost:
+            self._meter.micro(micro.size, time.perf_counter() - started)
         if not self._backward_done:
             raise RuntimeError(
                 "pilot.backward(loss) was not called for the last micro-batch; call it exactly once per "
@@ -442,6 +449,7 @@ class Pilot:
         self._throughput = rate if self._throughput is None else 0.9 * self._throughput + 0.1 * rate
         if not skipped:
             self._losses.append(loss)
+        stats.update(self._meter.end_step(self.step, loss, step_time, skipped))
         epoch, offset, _ = self.loader.position()
         record = {
             "step": self.step,
@@ -582,6 +590,7 @@ class Pilot:
             "controller": None if self.controller is None else self.controller.state_dict(),
             "stats_clip": None if self._stats_clip is None else self._stats_clip.state_dict(),
             "noise": None if self._noise is None else self._noise.state_dict(),
+            "meter": self._meter.state_dict(),
             "rng": _gather_rng(self.world_size),
             "log_position": None if self._log is None else self._log.position(),
         }
@@ -613,6 +622,8 @@ class Pilot:
             self._stats_clip.load_state_dict(state["stats_clip"])
         if self._noise is not None and state.get("noise") is not None:
             self._noise.load_state_dict(state["noise"])
+        if state.get("meter") is not None:
+            self._meter.load_state_dict(state["meter"])
         _restore_rng(state["rng"], self.rank, self.world_size)
         if self._log is not None and state["log_position"] is not None:
             self._log.truncate(state["log_position"])

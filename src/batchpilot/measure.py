@@ -19,7 +19,10 @@ from typing import Any, Callable
 
 import torch
 
+from .stats.loss_trend import LossTrend
 from .stats.noise_scale import NoiseScaleEstimator
+from .stats.system import SystemMonitor
+from .stats.throughput import ThroughputModel
 
 
 class GradientNoiseProbe:
@@ -109,3 +112,51 @@ class GradientNoiseProbe:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.every = int(state["every"])
         self.estimator.load_state_dict(state["estimator"])
+
+
+class StepMeter:
+    """Loss trend, the online throughput model and (optionally) system load, updated once per step.
+
+    Args:
+        loss_window: Steps in the loss-trend window (:class:`~batchpilot.stats.LossTrend`).
+        system_every: Sample CPU/GPU load every N steps (``None``: never; needs psutil).
+        device: The training device, for GPU metrics.
+    """
+
+    def __init__(self, loss_window: int = 50, system_every: int | None = 10, device: Any = None) -> None:
+        self.trend = LossTrend(window=loss_window)
+        self.throughput = ThroughputModel()
+        self.system_every = system_every
+        self.monitor = None
+        if system_every is not None:
+            try:
+                self.monitor = SystemMonitor(device if device is not None and torch.device(device).type == "cuda" else None)
+            except ImportError:
+                self.monitor = None  # psutil is optional: no system metrics without it
+        self._system: dict[str, float] = {}
+        self._micro_sizes: list[int] = []
+        self._micro_seconds: list[float] = []
+
+    def micro(self, size: int, seconds: float) -> None:
+        """One micro-batch's forward/backward time (ghost micro-batches are not passed in)."""
+        self._micro_sizes.append(size)
+        self._micro_seconds.append(seconds)
+
+    def end_step(self, step: int, loss: float, step_seconds: float, skipped: bool) -> dict[str, float]:
+        """Fold in the finished step; return the metrics for the step record."""
+        if not skipped and math.isfinite(loss):
+            self.trend.update(loss)
+        if self._micro_sizes:
+            self.throughput.observe_step(self._micro_sizes, self._micro_seconds, max(step_seconds, sum(self._micro_seconds)))
+        self._micro_sizes.clear()
+        self._micro_seconds.clear()
+        if self.monitor is not None and self.system_every and step % self.system_every == 0:
+            self._system = self.monitor.sample()
+        return {**self.trend.metrics(), **self.throughput.metrics(), **self._system}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"trend": self.trend.state_dict(), "throughput": self.throughput.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trend.load_state_dict(state["trend"])
+        self.throughput.load_state_dict(state["throughput"])

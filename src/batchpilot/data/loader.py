@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -79,6 +79,13 @@ class _Planned:
     global_size: int
     position: tuple[int, int, int, int, int]  # (epoch, offset, samples_seen, dropped, step) at the step's start
     ghost: bool = False
+
+
+# DataLoader arguments that AdaptiveDataLoader owns (dataloader_kwargs may not set them).
+_OWN_LOADER_KWARGS = frozenset({
+    "dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "collate_fn", "num_workers",
+    "pin_memory", "prefetch_factor", "persistent_workers", "generator",
+})
 
 
 def accumulation_steps_for(global_size: int, world_size: int, max_micro_batch_size: int | None) -> int:
@@ -147,6 +154,15 @@ class AdaptiveDataLoader:
             ``torch.utils.data.DataLoader``; ``persistent_workers`` defaults to True when there are workers,
             which keeps a size change cheap.
         sampler: Use this sampler instead of building one (its settings win over the arguments above).
+        accumulation_steps: Split every step into exactly this many micro-batches on every rank (ghost
+            micro-batches where a rank's part is empty), for loops that run a fixed number of micro-batches
+            per step (``transformers.Trainer``'s ``gradient_accumulation_steps``). Excludes
+            ``max_micro_batch_size``.
+        wrap_loader: Wrap the torch ``DataLoader`` that fetches micro-batches (e.g. ``accelerator.prepare``);
+            the wrapper must yield one batch per index list, in order. With a wrapper the DataLoader is
+            built even without workers, and a size change rewinds by re-iterating the wrapper.
+        dataloader_kwargs: Further keyword arguments for that DataLoader (``multiprocessing_context``,
+            ``worker_init_fn``, ``timeout``, ...); not those the loader sets itself.
     """
 
     def __init__(
@@ -166,6 +182,9 @@ class AdaptiveDataLoader:
         prefetch_factor: int | None = None,
         persistent_workers: bool | None = None,
         sampler: AdaptiveBatchSampler | None = None,
+        accumulation_steps: int | None = None,
+        wrap_loader: Callable[[DataLoader], Iterable[Any]] | None = None,
+        dataloader_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         try:
             length = len(dataset)  # type: ignore[arg-type]
@@ -187,7 +206,22 @@ class AdaptiveDataLoader:
         self.max_micro_batch_size = (
             None if max_micro_batch_size is None else check_batch_size(max_micro_batch_size, "max_micro_batch_size")
         )
+        self.accumulation_steps = (
+            None if accumulation_steps is None else check_positive_int(accumulation_steps, "accumulation_steps")
+        )
+        if self.accumulation_steps is not None and self.max_micro_batch_size is not None:
+            raise ValueError(
+                f"accumulation_steps={accumulation_steps} and max_micro_batch_size={max_micro_batch_size} both "
+                "decide how a step is split; pass only one of them."
+            )
         self.num_workers = check_positive_int(num_workers, "num_workers", minimum=0)
+        extra = dict(dataloader_kwargs or {})
+        clash = sorted(set(extra) & _OWN_LOADER_KWARGS)
+        if clash:
+            raise ValueError(
+                f"dataloader_kwargs sets {', '.join(clash)}, which AdaptiveDataLoader sets itself; pass them as "
+                "AdaptiveDataLoader arguments instead (batching is always the loader's own)."
+            )
         self.collate_fn = collate_fn or default_collate
         self._planned: collections.deque[_Planned] = collections.deque()
         self._pending: collections.deque[Any] = collections.deque()
@@ -197,7 +231,8 @@ class AdaptiveDataLoader:
         self.rewinds = 0  # how often a size change discarded prefetched micro-batches
         self._next_step = 0  # index of the next step to plan
         self.min_accumulation: Callable[[int], int] | None = None  # step index -> least micro-batches
-        if self.num_workers > 0 or pin_memory:
+        self._wrapped: Iterable[Any] | None = None
+        if self.num_workers > 0 or pin_memory or wrap_loader is not None:
             fast = type(dataset) is TensorDataset and self.collate_fn is default_collate
             self._torch_loader = DataLoader(
                 _BatchedTensors(dataset.tensors) if fast else dataset,  # type: ignore[attr-defined]
@@ -210,7 +245,9 @@ class AdaptiveDataLoader:
                 # Worker seeds come from this generator, so starting or rewinding workers never draws from
                 # the global torch RNG (dropout and friends stay reproducible across resume).
                 generator=torch.Generator().manual_seed(self.sampler.seed),
+                **extra,
             )
+            self._wrapped = self._torch_loader if wrap_loader is None else wrap_loader(self._torch_loader)
 
     # ------------------------------------------------------------------ size
     @property
@@ -246,7 +283,7 @@ class AdaptiveDataLoader:
         self.rewinds += 1
         if self._iterator is not None and self._torch_loader is not None:
             # Persistent workers drain their queue and resume from the rewound position.
-            self._iterator = iter(self._torch_loader)
+            self._iterator = iter(self._wrapped)
 
     def _check_between_steps(self, what: str) -> None:
         if self._planned and self._planned[0].micro_index != 0:
@@ -264,8 +301,11 @@ class AdaptiveDataLoader:
         if batch is None:
             return None
         share = sampler.local_share(batch)
-        steps = accumulation_steps_for(len(batch), sampler.world_size, self.max_micro_batch_size)
-        if self.min_accumulation is not None:
+        if self.accumulation_steps is not None:
+            steps = self.accumulation_steps
+        else:
+            steps = accumulation_steps_for(len(batch), sampler.world_size, self.max_micro_batch_size)
+        if self.min_accumulation is not None and self.accumulation_steps is None:
             # More micro-batches on request (e.g. two half-batches for a gradient-noise measurement),
             # never so many that a rank would get an empty one.
             wanted = min(self.min_accumulation(self._next_step), len(batch) // sampler.world_size)
@@ -332,7 +372,7 @@ class AdaptiveDataLoader:
         assert self._torch_loader is not None
         self._pending.clear()
         self._exhausted = False
-        self._iterator = iter(self._torch_loader)
+        self._iterator = iter(self._wrapped)
         while True:
             while not self._planned and not self._exhausted:
                 self._pull()  # asking for data makes the DataLoader plan (and prefetch) further
@@ -400,4 +440,4 @@ class AdaptiveDataLoader:
         self._pending.clear()
         self._exhausted = False
         if self._torch_loader is not None and self._iterator is not None:
-            self._iterator = iter(self._torch_loader)
+            self._iterator = iter(self._wrapped)
