@@ -21,8 +21,8 @@
     ``small_big_from_micro(...)`` to ``NoiseScaleEstimator.update``. w is held fixed, so the truth is
     constant; the error of the smoothed estimates is measured after a warm-up of ``--warmup`` updates.
     k micro-batches on one process are the same arithmetic as k ranks under DDP.
-(A') The one-micro-batch fallbacks while SGD moves w (the truth moves too): split every step into two
-    halves (unbiased) versus pairing consecutive steps (free, flagged biased).
+(A') The one-micro-batch fallback that pairs consecutive steps: its bias as a function of the SGD step
+    size between the two gradients (lr * c_max, c_max the largest curvature), from a fixed w.
 (B) Per-sample gradient variance: ``per_sample_grad_variance`` (torch.func) against a brute-force loop over
     samples, on an MLP and the MNIST-1D CNN, in float64 and float32; and the micro-batch estimate
     against the exact value over random splits of the batch.
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import time
@@ -110,71 +111,103 @@ def accumulated_step(model: nn.Module, problem: LinearProblem, m: int, k: int) -
 
 
 def rel_errors(values: list[float], truth: float) -> dict[str, float]:
-    errs = sorted(abs(v / truth - 1) for v in values)
+    errs = sorted(abs(v / truth - 1) for v in values)  # inf (no estimate) sorts last
     return {
-        "median_abs_rel_err": statistics.median(errs),
-        "p90_abs_rel_err": errs[int(0.9 * (len(errs) - 1))],
+        "median_abs_rel_err": _finite_or_none(statistics.median(errs)),
+        "p90_abs_rel_err": _finite_or_none(errs[int(0.9 * (len(errs) - 1))]),
         "frac_within_10pct": sum(e <= 0.10 for e in errs) / len(errs),
     }
 
 
-def noise_scale_accuracy(configs: list[dict[str, Any]], decays: tuple[float, ...], warmup: int, steps: int) -> list[dict]:
+def noise_scale_accuracy(configs: list[dict[str, Any]], decays: tuple[float, ...], warmup: int, steps: int,
+                         seeds: int = 3) -> list[dict]:
+    """Per config: errors of the smoothed estimates after warm-up, pooled over ``seeds`` runs (each its
+    own w and data), and the bias of the mean of the raw (unsmoothed) per-step estimates."""
     rows = []
     for cfg in configs:
-        problem = LinearProblem(delta_norm=cfg["delta_norm"], seed=cfg.get("seed", 0))
-        truth = problem.truth()
-        model = linear_model(problem)
-        estimators = {d: NoiseScaleEstimator(ema_decay=d) for d in decays}
         track: dict[float, dict[str, list[float]]] = {d: {"b_simple": [], "grad_sq_norm": [], "trace_cov": []} for d in decays}
-        raw_g, raw_t = [], []
-        for t in range(warmup + steps):
-            args = small_big_from_micro(*accumulated_step(model, problem, cfg["m"], cfg["k"]))
-            g_est, t_est = two_batch_estimates(*args)
-            raw_g.append(g_est)
-            raw_t.append(t_est)
-            for d, est in estimators.items():
-                est.update(*args)
-                if t >= warmup:
-                    for key in track[d]:
-                        track[d][key].append(getattr(est, key))
-        row = {"config": cfg, "big_batch": cfg["m"] * cfg["k"], "truth": truth,
-               "mean_raw_estimate_rel_err": {"grad_sq_norm": statistics.fmean(raw_g) / truth["grad_sq_norm"] - 1,
-                                             "trace_cov": statistics.fmean(raw_t) / truth["trace_cov"] - 1},
+        raw: dict[str, list[float]] = {"grad_sq_norm": [], "trace_cov": []}  # relative to the seed's truth
+        truths = []
+        for seed in range(seeds):
+            problem = LinearProblem(delta_norm=cfg["delta_norm"], seed=seed)
+            truth = problem.truth()
+            truths.append(truth)
+            model = linear_model(problem)
+            estimators = {d: NoiseScaleEstimator(ema_decay=d) for d in decays}
+            for t in range(warmup + steps):
+                args = small_big_from_micro(*accumulated_step(model, problem, cfg["m"], cfg["k"]))
+                g_est, t_est = two_batch_estimates(*args)
+                raw["grad_sq_norm"].append(g_est / truth["grad_sq_norm"])
+                raw["trace_cov"].append(t_est / truth["trace_cov"])
+                for d, est in estimators.items():
+                    est.update(*args)
+                    if t >= warmup:
+                        for key in track[d]:
+                            value = getattr(est, key)
+                            track[d][key].append(math.inf if value is None else value / truth[key])
+        row = {"config": cfg, "big_batch": cfg["m"] * cfg["k"], "seeds": seeds,
+               "truth": {"b_simple": statistics.fmean(t["b_simple"] for t in truths), "per_seed": truths},
+               "raw_estimate_bias": {key: _mean_rel(v, 1.0) for key, v in raw.items()},
                "by_decay": {}}
         for d in decays:
-            row["by_decay"][str(d)] = {key: rel_errors(vals, truth[key]) for key, vals in track[d].items()}
+            row["by_decay"][str(d)] = {key: rel_errors(vals, 1.0) for key, vals in track[d].items()}
         rows.append(row)
     return rows
 
 
-def fallback_accuracy(steps: int, warmup: int, lr: float = 0.002, b: int = 64, seed: int = 1) -> dict[str, Any]:
-    """(A') SGD moves w; compare the two single-micro-batch fallbacks with the truth at the current w."""
-    problem = LinearProblem(delta_norm=1.0, seed=seed)
-    model = linear_model(problem)
-    split, pairs = NoiseScaleEstimator(), NoiseScaleEstimator()
-    errs: dict[str, list[float]] = {"split_halves": [], "consecutive_pairs": []}
-    prev: tuple[torch.Tensor, float] | None = None
-    for t in range(warmup + steps):
-        delta = model.weight.detach().double()[0] - problem.w_star
-        truth = problem.truth(delta)["b_simple"]
-        # Split the step's b samples into two micro-batches of b/2 (honest second size).
-        sq_small, sizes, sq_big = accumulated_step(model, problem, b // 2, 2)
-        split.update(*small_big_from_micro(sq_small, sizes, sq_big))
-        grad = model.weight.grad.detach().reshape(-1).double().clone()
-        # Pair this step's gradient with the previous step's (parameters moved in between).
-        if prev is not None:
-            g_prev, sq_prev = prev
-            sq_pair_big = float(((g_prev + grad) / 2).dot((g_prev + grad) / 2))
-            pairs.update(*small_big_from_micro([sq_prev, float(grad.dot(grad))], [b, b], sq_pair_big), biased=True)
-        prev = (grad, float(grad.dot(grad)))
-        with torch.no_grad():
-            model.weight -= lr * model.weight.grad
-        if t >= warmup:
-            errs["split_halves"].append(split.b_simple / truth - 1)
-            errs["consecutive_pairs"].append(pairs.b_simple / truth - 1)
-    return {"lr": lr, "batch": b, "steps": steps, "warmup": warmup,
-            **{k: {"median_rel_err": statistics.median(v), "median_abs_rel_err": statistics.median(abs(e) for e in v)}
-               for k, v in errs.items()}}
+def pair_fallback_bias(trials: int, warmup: int, b: int = 64, steps_x_cmax: tuple[float, ...] = (0.0, 0.1, 0.5, 1.0, 1.5),
+                       seed: int = 1) -> list[dict[str, Any]]:
+    """(A') The consecutive-step fallback: the gradient of one batch at w, an SGD step of size lr, the
+    gradient of a fresh batch at w - lr * g_a, paired as two "small" batches of b. Repeated from the same w
+    (so the truth is fixed) for several step sizes, given as lr * c_max (c_max = the largest curvature,
+    1.5 here; SGD on this problem is stable below 2). lr = 0 is the honest two-batch estimate."""
+    rows = []
+    for lr_c in steps_x_cmax:
+        problem = LinearProblem(delta_norm=0.5, seed=seed)
+        truth = problem.truth()
+        lr = lr_c / float(problem.c.max())
+        model = linear_model(problem)
+        w0 = model.weight.detach().clone()
+        est = NoiseScaleEstimator()
+        raw_g, raw_t, b_err = [], [], []
+        for t in range(warmup + trials):
+            grads = []
+            for _ in range(2):
+                sq_small, _, _ = accumulated_step(model, problem, b, 1)
+                grads.append(model.weight.grad.detach().reshape(-1).double().clone())
+                with torch.no_grad():
+                    model.weight -= lr * model.weight.grad
+            with torch.no_grad():
+                model.weight.copy_(w0)
+            g_a, g_b = grads
+            big = (g_a + g_b) / 2
+            args = small_big_from_micro([float(g_a @ g_a), float(g_b @ g_b)], [b, b], float(big @ big))
+            g_est, t_est = two_batch_estimates(*args)
+            raw_g.append(g_est)
+            raw_t.append(t_est)
+            est.update(*args, biased=lr > 0)
+            if t >= warmup:
+                b_err.append(abs(est.b_simple / truth["b_simple"] - 1) if est.b_simple is not None else math.inf)
+        rows.append({
+            "lr_x_cmax": lr_c, "batch": b, "truth_b_simple": truth["b_simple"],
+            "grad_sq_norm_bias": _mean_rel(raw_g, truth["grad_sq_norm"]),
+            "trace_cov_bias": _mean_rel(raw_t, truth["trace_cov"]),
+            "b_from_means_rel_err": (statistics.fmean(raw_t) / statistics.fmean(raw_g)) / truth["b_simple"] - 1
+            if statistics.fmean(raw_g) > 0 else None,
+            # None: at the median step the smoothed |G|^2 was <= 0 (no B_simple at all).
+            "ema_b_simple_median_abs_rel_err": _finite_or_none(statistics.median(b_err)),
+        })
+    return rows
+
+
+def _finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _mean_rel(values: list[float], truth: float) -> dict[str, float]:
+    """Relative bias of the mean of raw estimates, with its standard error."""
+    return {"rel_bias": statistics.fmean(values) / truth - 1,
+            "std_err": statistics.stdev(values) / math.sqrt(len(values)) / abs(truth)}
 
 
 # ----------------------------------------------------------------------------------------------- (B)
@@ -199,20 +232,17 @@ def brute_force_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tor
     return torch.stack(rows)
 
 
-def variance_accuracy(n: int, partitions: int) -> list[dict]:
+def variance_accuracy(n: int, partitions: int, reps: int = 3) -> list[dict]:
     rows = []
     for name, make, shape in (("mlp", mlp, (40,)), ("cnn", cnn, (1, 40))):
         for dtype in (torch.float64, torch.float32):
             torch.manual_seed(0)
             model = make().to(dtype)
             x, y = torch.randn(n, *shape, dtype=dtype), torch.randint(0, 10, (n,))
-            per_sample_grad_variance(model, nn.functional.cross_entropy, x, y)  # warm-up (first-call costs)
-            t0 = time.perf_counter()
             exact = per_sample_grad_variance(model, nn.functional.cross_entropy, x, y)
-            t_vmap = time.perf_counter() - t0
-            t0 = time.perf_counter()
             grads = brute_force_grads(model, x, y).double()
-            t_loop = time.perf_counter() - t0
+            t_vmap = median_time(lambda: per_sample_grad_variance(model, nn.functional.cross_entropy, x, y), reps)
+            t_loop = median_time(lambda: brute_force_grads(model, x, y), reps)
             brute = float(((grads - grads.mean(0)) ** 2).sum(1).mean())
             row = {"model": name, "dtype": str(dtype).replace("torch.", ""), "n": n, "params": grads.shape[1],
                    "sigma2": exact, "rel_err_vs_loop": abs(exact / brute - 1), "vmap_s": t_vmap, "loop_s": t_loop}
@@ -284,36 +314,45 @@ CONFIGS = [  # delta_norm sets the true noise scale; m x k the batch sizes (k mi
 def run(quick: bool = False, warmup: int = 100, steps: int = 400) -> dict[str, Any]:
     torch.manual_seed(0)
     if quick:
-        warmup, steps = 40, 60
+        warmup, steps = 10, 20
     configs = CONFIGS[1:2] if quick else CONFIGS
     result: dict[str, Any] = {
         "config": {"quick": quick, "warmup": warmup, "steps": steps, "torch": torch.__version__,
                    "threads": torch.get_num_threads(), "python": platform.python_version()},
-        "noise_scale": noise_scale_accuracy(configs, (0.95, 0.99), warmup, steps),
-        "fallbacks": fallback_accuracy(steps, warmup),
-        "grad_variance": variance_accuracy(16 if quick else 64, 10 if quick else 200),
+        "noise_scale": noise_scale_accuracy(configs, (0.95, 0.99), warmup, steps, seeds=1 if quick else 3),
+        "pair_fallback": pair_fallback_bias(steps, warmup, steps_x_cmax=(0.0, 1.5) if quick else (0.0, 0.1, 0.5, 1.0, 1.5)),
+        "grad_variance": variance_accuracy(8 if quick else 64, 5 if quick else 200, 1 if quick else 5),
     }
     if not quick:
         result["cost"] = [cost(m, 50) for m in (32, 128)]
     return result
 
 
+def _pct(x: float | None) -> str:
+    return "undefined" if x is None else f"{x:.1%}"
+
+
 def print_tables(result: dict[str, Any]) -> None:
     cfg = result["config"]
-    print(f"\n(A) noise scale vs closed form: |rel err| after {cfg['warmup']} warm-up updates, over {cfg['steps']} updates")
+    print(f"\n(A) noise scale vs closed form: |rel err| after {cfg['warmup']} warm-up updates, over {cfg['steps']} updates"
+          " x seeds (pooled); bias of the mean raw estimate +- std err")
     print(f"  {'config':<20} {'B_true':>7} {'N':>5} {'decay':>5}  {'B med':>6} {'B p90':>6} {'B<=10%':>6}"
-          f"  {'|G|2 med':>8} {'tr med':>6}  {'raw mean |G|2, tr':>18}")
+          f"  {'|G|2 med':>8} {'tr med':>6}  {'raw-estimate bias |G|2, tr':>26}")
     for row in result["noise_scale"]:
         for d, r in row["by_decay"].items():
-            raw = row["mean_raw_estimate_rel_err"]
+            raw = row["raw_estimate_bias"]
             print(f"  {row['config']['name']:<20} {row['truth']['b_simple']:>7.1f} {row['big_batch']:>5} {d:>5}"
-                  f"  {r['b_simple']['median_abs_rel_err']:>6.1%} {r['b_simple']['p90_abs_rel_err']:>6.1%}"
-                  f" {r['b_simple']['frac_within_10pct']:>6.0%}  {r['grad_sq_norm']['median_abs_rel_err']:>8.1%}"
-                  f" {r['trace_cov']['median_abs_rel_err']:>6.1%}  {raw['grad_sq_norm']:>+8.1%} {raw['trace_cov']:>+8.1%}")
-    fb = result["fallbacks"]
-    print(f"\n(A') single micro-batch fallbacks under SGD (lr {fb['lr']}, batch {fb['batch']}): B_simple rel err (median)")
-    for key in ("split_halves", "consecutive_pairs"):
-        print(f"  {key:<18} signed {fb[key]['median_rel_err']:>+7.1%}   |abs| {fb[key]['median_abs_rel_err']:>6.1%}")
+                  f"  {_pct(r['b_simple']['median_abs_rel_err']):>6} {_pct(r['b_simple']['p90_abs_rel_err']):>6}"
+                  f" {r['b_simple']['frac_within_10pct']:>6.0%}  {_pct(r['grad_sq_norm']['median_abs_rel_err']):>8}"
+                  f" {_pct(r['trace_cov']['median_abs_rel_err']):>6}  {raw['grad_sq_norm']['rel_bias']:>+6.1%}"
+                  f"+-{raw['grad_sq_norm']['std_err']:.1%} {raw['trace_cov']['rel_bias']:>+5.1%}+-{raw['trace_cov']['std_err']:.1%}")
+    print("\n(A') consecutive-step pairs (fallback) at a fixed w, batch 64: bias of the mean raw estimate (+- std err)")
+    print(f"  {'lr*c_max':>8}  {'|G|^2 bias':>16}  {'tr bias':>16}  {'B from means':>12}  {'EMA B med |err|':>15}")
+    for r in result["pair_fallback"]:
+        g, t = r["grad_sq_norm_bias"], r["trace_cov_bias"]
+        bm = "n/a (|G|^2<=0)" if r["b_from_means_rel_err"] is None else f"{r['b_from_means_rel_err']:+.1%}"
+        print(f"  {r['lr_x_cmax']:>8.2f}  {g['rel_bias']:>+8.1%} +-{g['std_err']:>5.1%}  {t['rel_bias']:>+8.1%} +-{t['std_err']:>5.1%}"
+              f"  {bm:>12}  {_pct(r['ema_b_simple_median_abs_rel_err']):>15}")
     print("\n(B) per-sample gradient variance: torch.func vs a loop over samples")
     for r in result["grad_variance"]:
         micro = "".join(f"  micro k={k[7:]}: bias {r[k]['mean_rel_err']:+.1%}, rel std {r[k]['rel_std']:.0%}"

@@ -276,7 +276,7 @@ def test_noise_scale_grows_monotonically_by_default():
 
 # ============================================================================ Goodput (Pollux)
 
-PERF = {"perf/time_per_micro_a": 0.1, "perf/time_per_sample_b": 0.001}
+PERF = {"perf/micro_time_a_s": 0.1, "perf/micro_time_b_s": 0.001}
 
 
 def goodput_obs(step: int, batch_size: int, phi: float = 100.0, **extra) -> Observation:
@@ -355,8 +355,8 @@ def test_goodput_missing_inputs_keep_and_retry():
     assert ctrl.decide(obs(10, 400, PERF)) == 400
     assert "stats/noise_scale not measured" in ctrl.reason
     assert ctrl.decide(obs(11, 400, {"stats/noise_scale": 100.0})) == 400
-    assert "throughput model not fitted" in ctrl.reason and "perf/time_per_micro_a" in ctrl.reason
-    zero = {"stats/noise_scale": 100.0, "perf/time_per_micro_a": -1.0, "perf/time_per_sample_b": 0.0}
+    assert "throughput model not fitted" in ctrl.reason and "perf/micro_time_a_s" in ctrl.reason
+    zero = {"stats/noise_scale": 100.0, "perf/micro_time_a_s": -1.0, "perf/micro_time_b_s": 0.0}
     assert ctrl.decide(obs(12, 400, zero)) == 400
     assert "zero step time" in ctrl.reason and ctrl.last_table == {}
     assert ctrl.decide(goodput_obs(13, 400)) == 100  # period 1 was never used up
@@ -491,3 +491,15 @@ def test_goodput_with_equal_bounds_has_one_candidate():
     ctrl = Goodput(64, 64, interval=1)
     assert ctrl.sizes == [64]
     assert ctrl.decide(goodput_obs(1, 100)) == 64  # the current size is out of bounds: clamped
+
+
+def test_required_stats_name_the_keys_read():
+    assert VarianceRule().required_stats == ("stats/grad_variance",)
+    assert NoiseScale().required_stats == ("stats/noise_scale",)
+    assert Goodput().required_stats == (
+        "stats/noise_scale", "perf/micro_time_a_s", "perf/micro_time_b_s", "perf/step_overhead_s",
+        "perf/max_micro_batch_size", "dist/world_size",
+    )
+    assert ThresholdRules().required_stats == ("stats/grad_variance", "stats/loss_trend", "system/gpu_util")
+    assert ThresholdRules(util_source="gpu-or-cpu").required_stats[2:] == ("system/gpu_util", "system/cpu_util")
+    assert ThresholdRules(util_source="off").required_stats == ("stats/grad_variance", "stats/loss_trend")

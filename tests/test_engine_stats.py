@@ -71,3 +71,22 @@ def test_no_gradient_statistics_unless_asked():
         assert pilot.micro_batch.accumulation_steps == 1
         pilot.backward(0.5 * ((model(x).view(-1) - y) ** 2).mean())
     assert not any(k.startswith("stats/") for k in pilot.last_record)
+
+
+def test_adascale_lr_rule_scales_by_the_measured_gain_and_counts_progress():
+    ds, model, true_g2, true_tr = least_squares(n=20_000)
+    opt = torch.optim.SGD(model.parameters(), lr=0.001)
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=256, base_batch_size=32, lr_rule="adascale", noise_every=1)
+    gains = []
+    pilot.add_callback(lambda p, record: gains.append(record.get("lr/adascale_gain", 1.0)))
+    for x, y in pilot.batches(max_steps=60):
+        pilot.backward(0.5 * ((model(x).view(-1) - y) ** 2).mean())
+    assert len(gains) == 60 and all(1.0 <= g <= 256 / 32 for g in gains) and max(gains) > 1.5
+    # Johnson et al. 2020: r = (sigma^2 + mu^2) / (sigma^2 / S + mu^2), sigma^2 = tr(Sigma) / B0, S = B / B0.
+    # The weights move (lr > 0), so compare with the gain computed from the engine's own latest estimates.
+    rec = pilot.last_record
+    sigma2, mu2, S = rec["stats/trace_cov"] / 32, rec["stats/grad_sq_norm"], 256 / 32
+    expected = (sigma2 + mu2) / (sigma2 / S + mu2)
+    assert rec["lr/adascale_gain"] == pytest.approx(expected, rel=1e-12)
+    assert pilot.adascale.progress == pytest.approx(sum(gains), rel=1e-12)  # progress: the sum of the gains
+    assert opt.param_groups[0]["lr"] == 0.001  # the gain is applied around each optimizer step only

@@ -43,7 +43,7 @@ from .controllers.base import Controller, Observation, validate_decision
 from .data.loader import AdaptiveDataLoader, MicroBatch
 from .logs import AdjustmentLog, ProgressBar, TensorBoardSink
 from .measure import GradientNoiseProbe, StepMeter
-from .lr import LRCoupling, SampleLRSchedule
+from .lr import AdaScaleLR, LRCoupling, SampleLRSchedule
 
 logger = logging.getLogger("batchpilot")
 
@@ -67,8 +67,10 @@ class Pilot:
         max_micro_batch_size: Most samples per forward/backward on one rank; larger shares are
             accumulated over several micro-batches (``None``: one micro-batch per step).
         lr_rule: How the learning rate follows the batch size: ``"none"``, ``"linear"`` (Goyal et al.
-            2017), ``"sqrt"`` (Malladi et al. 2022), ``"linear-then-sqrt"`` (seed 002, knee ``lr_knee``)
-            or a callable ``ratio -> factor``; applied on top of ``lr_schedulers``.
+            2017), ``"sqrt"`` (Malladi et al. 2022), ``"linear-then-sqrt"`` (seed 002, knee ``lr_knee``),
+            ``"adascale"`` (Johnson et al. 2020: the gain from measured gradient noise; sample-based
+            schedules then run on AdaScale's scale-invariant progress) or a callable ``ratio -> factor``;
+            applied on top of ``lr_schedulers``.
         base_batch_size: The batch size at which the optimizer's LR is right (default: ``batch_size``).
         lr_knee: Knee of ``"linear-then-sqrt"``.
         lr_schedulers: torch LR schedulers (stepped once per step) and/or
@@ -195,8 +197,12 @@ class Pilot:
         self.decide_every = decide_every
         self.min_batch_size, self.max_batch_size = min_batch_size, max_batch_size
         self.on_invalid = on_invalid
-        self.coupling = LRCoupling(optimizer, base_batch_size or batch_size, rule=lr_rule, knee=lr_knee)
-        self._couple = lr_rule != "none"  # "none" never changes the LR: skip the per-step work
+        adascale = lr_rule == "adascale"
+        self.coupling = LRCoupling(optimizer, base_batch_size or batch_size, rule="none" if adascale else lr_rule,
+                                   knee=lr_knee)
+        self._couple = lr_rule not in ("none", "adascale")  # "none" never changes the LR: skip the per-step work
+        # AdaScale (Johnson et al. 2020): the LR gain comes from the gradient statistics of each step.
+        self.adascale = AdaScaleLR(optimizer, base_batch_size or batch_size) if adascale else None
         self.lr_schedulers = list(lr_schedulers)
         self.amp = amp
         if amp == "fp16" and self.device.type != "cuda":
@@ -214,7 +220,7 @@ class Pilot:
         self._tb = TensorBoardSink(tensorboard_dir) if (tensorboard_dir is not None and self._lead) else None
         self._progress_enabled = progress if self._lead else False
         self._callbacks: list[StepCallback] = []
-        if noise_every is None and _needs_gradient_stats(self.controller):
+        if noise_every is None and (_needs_gradient_stats(self.controller) or self.adascale is not None):
             noise_every = 4
         self._noise = GradientNoiseProbe(self._params, every=noise_every) if noise_every else None
         self._meter = StepMeter(system_every=system_every, device=self.device)
@@ -430,7 +436,7 @@ class Pilot:
                     skipped = True
                     self.skipped_steps += 1
             else:
-                self.optimizer.step()
+                self._optimizer_step(size, stats)
         self.optimizer.zero_grad(set_to_none=True)
 
         self.step += 1
@@ -439,7 +445,7 @@ class Pilot:
             self.coupling.unscale()
         for scheduler in self.lr_schedulers:
             if isinstance(scheduler, SampleLRSchedule):
-                scheduler.step(self.samples_seen)
+                scheduler.step(self.samples_seen if self.adascale is None else self.adascale.progress_samples)
             else:
                 scheduler.step()
 
@@ -484,6 +490,16 @@ class Pilot:
         if self.checkpoint_every is not None and self.step % self.checkpoint_every == 0:
             self.save_checkpoint()
         self._step_clock = time.perf_counter()
+
+    def _optimizer_step(self, size: int, stats: dict[str, float]) -> None:
+        if self.adascale is None:
+            self.optimizer.step()
+            return
+        gain = self.adascale.gain_for(size, stats.get("stats/trace_cov"), stats.get("stats/grad_sq_norm"))
+        self.adascale.scale(gain)
+        self.optimizer.step()
+        self.adascale.unscale()
+        stats["lr/adascale_gain"] = gain
 
     def _clip(self, norm: float) -> None:
         if self.grad_clip is None:
@@ -555,7 +571,12 @@ class Pilot:
             num_samples=self.num_samples,
             losses=tuple(self._losses),
             samples_per_s=self._throughput,
-            stats={k: v for k, v in self.last_record.items() if k.startswith(("stats/", "grad/", "perf/", "system/"))},
+            stats={
+                **{k: v for k, v in self.last_record.items() if k.startswith(("stats/", "grad/", "perf/", "system/"))},
+                "dist/world_size": self.world_size,
+                **({} if self.loader.max_micro_batch_size is None
+                   else {"perf/max_micro_batch_size": self.loader.max_micro_batch_size}),
+            },
         )
 
     def _event(self, kind: str, data: dict[str, Any], warn: bool = True) -> None:
@@ -586,6 +607,7 @@ class Pilot:
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
             "lr_schedulers": [s.state_dict() for s in self.lr_schedulers],
             "coupling": self.coupling.state_dict(),
+            "adascale": None if self.adascale is None else self.adascale.state_dict(),
             "loader": self.loader.state_dict(),
             "controller": None if self.controller is None else self.controller.state_dict(),
             "stats_clip": None if self._stats_clip is None else self._stats_clip.state_dict(),
@@ -614,6 +636,8 @@ class Pilot:
         for scheduler, s in zip(self.lr_schedulers, state["lr_schedulers"]):
             scheduler.load_state_dict(s)
         self.coupling.load_state_dict(state["coupling"])
+        if self.adascale is not None and state.get("adascale") is not None:
+            self.adascale.load_state_dict(state["adascale"])
         self.loader.load_state_dict(state["loader"])
         self._dropped_reported = self.loader.sampler.dropped_samples
         if self.controller is not None and state["controller"] is not None:

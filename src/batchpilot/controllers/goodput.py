@@ -22,8 +22,8 @@ from .base import Observation
 __all__ = ["Goodput", "step_time"]
 
 NOISE_SCALE_KEY = "stats/noise_scale"
-A_KEY = "perf/time_per_micro_a"
-B_KEY = "perf/time_per_sample_b"
+A_KEY = "perf/micro_time_a_s"
+B_KEY = "perf/micro_time_b_s"
 OVERHEAD_KEY = "perf/step_overhead_s"
 MAX_MICRO_KEY = "perf/max_micro_batch_size"
 WORLD_KEY = "dist/world_size"
@@ -62,7 +62,7 @@ class Goodput:
     scales every candidate's goodput by the same factor, so it never changes the choice.
 
     Throughput is ``B / step_time(B)`` from the engine's fitted model (:func:`step_time`):
-    ``perf/time_per_micro_a`` and ``perf/time_per_sample_b`` (required), ``perf/step_overhead_s``
+    ``perf/micro_time_a_s`` and ``perf/micro_time_b_s`` (required), ``perf/step_overhead_s``
     (default 0), ``perf/max_micro_batch_size`` (default: no limit) and ``dist/world_size`` (default 1).
     Negative fitted coefficients are taken as 0.
 
@@ -89,6 +89,9 @@ class Goodput:
     Raises:
         TypeError, ValueError: an argument has the wrong type or is out of range.
     """
+
+    required_stats: tuple[str, ...] = (NOISE_SCALE_KEY, A_KEY, B_KEY, OVERHEAD_KEY, MAX_MICRO_KEY, WORLD_KEY)
+    """The ``obs.stats`` keys it reads (the engine switches the matching measurements on)."""
 
     def __init__(
         self,

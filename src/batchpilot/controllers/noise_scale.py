@@ -69,6 +69,9 @@ class NoiseScale:
         TypeError, ValueError: an argument has the wrong type or is out of range.
     """
 
+    required_stats: tuple[str, ...] = (NOISE_SCALE_KEY,)
+    """The ``obs.stats`` keys it reads (the engine switches the matching measurements on)."""
+
     def __init__(
         self,
         factor: float = 1.0,
@@ -88,7 +91,8 @@ class NoiseScale:
             hint=" It is the per-step EMA decay: 0 = no smoothing, 0.9 ~ a 10-step window.",
         )
         self.hysteresis = check_real(
-            hysteresis, "hysteresis", low=0.0, low_inclusive=True, hint=" It is relative: 0.2 = change only beyond a 20% difference."
+            hysteresis, "hysteresis", low=0.0, low_inclusive=True,
+            hint=" It is relative: 0.2 = change only beyond a 20% difference.",
         )
         self.interval = check_interval(interval)
         if not isinstance(allow_shrink, bool):

@@ -73,6 +73,7 @@ class ThresholdRules:
 
     Attributes:
         reason: Why the last call decided what it did (the engine logs it).
+        required_stats: The ``obs.stats`` keys it reads (depends on ``util_source``).
 
     Raises:
         TypeError, ValueError: an argument has the wrong type or is out of range (the message says which
@@ -106,7 +107,9 @@ class ThresholdRules:
             hint=" Utilisation is a percentage (0-100), e.g. 70.",
         )
         self.util_source = check_choice(util_source, "util_source", UTIL_SOURCES)
-        self.grow_factor = check_real(grow_factor, "grow_factor", low=1.0, hint=" A grow multiplies the size by it, e.g. 2.")
+        self.grow_factor = check_real(
+            grow_factor, "grow_factor", low=1.0, hint=" A grow multiplies the size by it, e.g. 2."
+        )
         self.plateau_threshold = check_real(plateau_threshold, "plateau_threshold")
         self.patience = check_positive_int(patience, "patience")
         self.plateau_action = check_choice(plateau_action, "plateau_action", PLATEAU_ACTIONS)
@@ -118,6 +121,10 @@ class ThresholdRules:
                 f"max_size={self.max_size}]; move it inside the bounds (or omit it to use min_size)."
             )
         self.check_every = check_interval(check_every, "check_every")
+        util_keys = {"gpu": (GPU_UTIL_KEY,), "gpu-or-cpu": (GPU_UTIL_KEY, CPU_UTIL_KEY), "cpu": (CPU_UTIL_KEY,)}
+        self.required_stats: tuple[str, ...] = (
+            VARIANCE_KEY, LOSS_TREND_KEY, *util_keys.get(self.util_source, ())
+        )
         self.name = "ThresholdRules"
         self.reason = "no decision yet"
         self._period = 0  # obs.step // check_every at the last check

@@ -65,6 +65,8 @@ class VarianceRule:
             ``sigma_base`` is not a finite real > 0.
     """
 
+    required_stats: tuple[str, ...] = (VARIANCE_KEY,)
+    """The ``obs.stats`` keys it reads (the engine switches the matching measurements on)."""
     recommended_lr_rule = "linear-then-sqrt"
     """The LR coupling seed 002 asks for: linear scaling, square root above :attr:`recommended_lr_knee`."""
     recommended_lr_knee = 4096

@@ -21,12 +21,16 @@ Where the two batch sizes come from (no extra forward/backward in the first two 
   norm of each rank's local gradient *before* the all-reduce (one scalar all-reduce, done by
   ``distributed.py``), ``b_big`` = the global batch, ``sq_norm_big`` = the squared norm of the reduced
   gradient. With unequal local batches pass ``small_big_from_micro(local_sq_norms, local_sizes, ...)``.
-* **One micro-batch on one process** has no honest second size. Either split the batch into two
-  micro-batches on the steps that measure (unbiased; costs the efficiency of a smaller micro-batch), or
-  pair the gradients of two consecutive steps as the two "small" batches (free, but biased: the
-  parameters moved between them; with true gradients ``G_a``, ``G_b`` the trace estimate gains
-  ``(b / 2) |G_a - G_b|^2`` and ``|G|^2`` becomes ``<G_a, G_b>``, so ``B_simple`` is overestimated). Pass
-  ``biased=True`` for the latter; :attr:`NoiseScaleEstimator.biased` reports it.
+* **One micro-batch on one process** has no second batch size. The honest fallback is to split the step
+  into two micro-batches on the steps that measure: unbiased, no extra samples or FLOPs, only the
+  fixed cost of one more (smaller) forward/backward. Pairing the gradients of two consecutive steps as
+  the two small batches is free but biased, and badly: for equal sizes the ``|G|^2`` estimate is
+  ``<g_a, g_b>``, and after an SGD step ``w_b = w_a - lr g_a`` its expectation is about
+  ``|G|^2 - lr (G^T H G + tr(H Sigma) / b)`` (``H`` the Hessian): the step along ``g_a``'s own noise
+  anticorrelates the next gradient. benchmarks/estimators.py measures -28% on ``|G|^2`` already at
+  ``lr * lambda_max = 0.1`` with ``b ~ B_simple / 2``, and a negative ``|G|^2`` from 0.5 on, so ``B_simple`` is
+  overestimated or undefined. If a caller uses it anyway it must pass ``biased=True``;
+  :attr:`NoiseScaleEstimator.biased` then reports it.
 
 What is estimated, with any optimizer: the noise scale of the *raw* stochastic gradient of the loss (the
 ``.grad`` that backward produces, after unscaling AMP, before clipping). With SGD (with or without
@@ -106,8 +110,8 @@ def small_big_from_micro(
     stay unbiased. Micro-batches of size 0 (padding) carry no gradient and are left out.
 
     The same function serves DDP (one entry per rank: the rank's local gradient and local batch size)
-    and the consecutive-step fallback (two entries: the previous and the current step; pass
-    ``biased=True`` to :meth:`NoiseScaleEstimator.update` then).
+    and, with the warnings of the module docstring, the consecutive-step fallback (two entries: the
+    previous and the current step; pass ``biased=True`` to :meth:`NoiseScaleEstimator.update` then).
 
     Args:
         sq_norms_small: ``|g_j|^2`` for each micro-batch. In an accumulating loop with ``loss * n_j / N``

@@ -1,0 +1,196 @@
+"""`SizeDriver`: the controller loop shared by the framework integrations.
+
+A framework owns the training loop; the driver only answers "what is the global batch size of the next
+step?" between two optimizer steps. Rank 0 asks the controller and every rank applies the broadcast value,
+so all ranks cut the same global batches. The driver never touches data or models.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from typing import Any, Callable, Mapping
+
+from .. import distributed as bpdist
+from .._validation import check_batch_size, check_bounds, check_choice, check_positive_int
+from ..controllers.base import Controller, Observation, validate_decision
+from ..controllers.schedules import Schedule
+
+_FORMAT = "batchpilot.integrations.SizeDriver"
+
+
+def as_controller(value: Any) -> Controller | None:
+    """A batchpilot controller as is, a seed-003 callable ``(step, current_size) -> size`` wrapped in
+    :class:`~batchpilot.controllers.Schedule`, or ``None`` (keep the size).
+
+    Raises:
+        TypeError: ``value`` is neither a controller nor callable.
+    """
+    if value is None or isinstance(value, Controller):
+        return value
+    if callable(value):
+        return Schedule(value)
+    raise TypeError(
+        f"batch_size_scheduler must be a batchpilot controller (decide/state_dict/load_state_dict) or a callable "
+        f"(step, current_size) -> size, got {value!r} of type {type(value).__name__}."
+    )
+
+
+class SizeDriver:
+    """Keep the counters a controller observes and turn its answers into validated, broadcast sizes.
+
+    Args:
+        controller: A controller, a seed-003 callable, or ``None`` (the size never changes).
+        batch_size: Global batch size of the first step.
+        num_samples: Dataset length.
+        min_batch_size, max_batch_size: Every decision is clamped to these bounds.
+        decide_every: Ask the controller after every ``decide_every``-th step.
+        on_invalid: ``"raise"`` or ``"keep"`` (see :func:`~batchpilot.controllers.validate_decision`).
+        loss_history: How many recent step losses an :class:`~batchpilot.Observation` carries.
+        rank: This process's rank (only rank 0 calls the controller).
+
+    Raises:
+        TypeError, ValueError: an argument is invalid (all problems in one message).
+    """
+
+    def __init__(
+        self,
+        controller: Controller | Callable[[int, int], int] | None,
+        *,
+        batch_size: int,
+        num_samples: int,
+        min_batch_size: int | None = None,
+        max_batch_size: int | None = None,
+        decide_every: int = 1,
+        on_invalid: str = "raise",
+        loss_history: int = 50,
+        rank: int = 0,
+    ) -> None:
+        problems = []
+        for check in (
+            lambda: check_batch_size(batch_size),
+            lambda: check_bounds(min_batch_size, max_batch_size),
+            lambda: check_positive_int(decide_every, "decide_every"),
+            lambda: check_choice(on_invalid, "on_invalid", ("raise", "keep")),
+            lambda: check_positive_int(loss_history, "loss_history"),
+            lambda: as_controller(controller),
+        ):
+            try:
+                check()
+            except (TypeError, ValueError) as exc:
+                problems.append(str(exc))
+        if not problems and (
+            (min_batch_size is not None and batch_size < min_batch_size)
+            or (max_batch_size is not None and batch_size > max_batch_size)
+        ):
+            problems.append(
+                f"the initial global batch size {batch_size} lies outside [min_batch_size={min_batch_size}, "
+                f"max_batch_size={max_batch_size}]; change per_device_train_batch_size or the bounds."
+            )
+        if problems:
+            raise ValueError("invalid batch size settings:\n  - " + "\n  - ".join(problems))
+        self.controller = as_controller(controller)
+        self.initial_batch_size = batch_size
+        self.num_samples = num_samples
+        self.min_batch_size, self.max_batch_size = min_batch_size, max_batch_size
+        self.decide_every = decide_every
+        self.on_invalid = on_invalid
+        self.rank = rank
+        self.step = 0
+        self.samples_seen = 0
+        self.losses: collections.deque[float] = collections.deque(maxlen=loss_history)
+        self.samples_per_s: float | None = None
+        self.last_decision: dict[str, Any] | None = None
+        self._clock: float | None = None
+
+    # ------------------------------------------------------------------ counters
+    def start_clock(self) -> None:
+        """Start timing the next step (call after anything that is not training, e.g. evaluation)."""
+        self._clock = time.perf_counter()
+
+    def end_step(self, size: int, loss: float | None) -> None:
+        """Count a finished optimizer step of ``size`` samples (over all ranks) and its mean loss."""
+        self.step += 1
+        self.samples_seen += size
+        if loss is not None and math.isfinite(loss):
+            self.losses.append(float(loss))
+        now = time.perf_counter()
+        if self._clock is not None and now > self._clock:
+            rate = size / (now - self._clock)
+            self.samples_per_s = rate if self.samples_per_s is None else 0.9 * self.samples_per_s + 0.1 * rate
+        self._clock = now
+
+    # ------------------------------------------------------------------ decisions
+    def decide(self, current: int, *, epoch: int, coverage: float, stats: Mapping[str, float] | None = None) -> int:
+        """Return the global batch size of the next step; equal on every rank.
+
+        Every rank must call this after every step (it is a collective when the controller is consulted).
+
+        Raises:
+            InvalidDecisionError: the controller returned an unusable size and ``on_invalid="raise"``.
+            RuntimeError: rank 0's controller failed (raised on the other ranks).
+        """
+        if self.controller is None or self.step % self.decide_every != 0:
+            return current
+        new, note = current, None
+        if self.rank == 0:
+            obs = Observation(
+                step=self.step,
+                samples_seen=self.samples_seen,
+                epoch=epoch,
+                coverage=coverage,
+                batch_size=current,
+                num_samples=self.num_samples,
+                losses=tuple(self.losses),
+                samples_per_s=self.samples_per_s,
+                stats=dict(stats or {}),
+            )
+            try:
+                new, note = validate_decision(
+                    self.controller.decide(obs),
+                    current=current,
+                    min_size=self.min_batch_size,
+                    max_size=self.max_batch_size,
+                    on_invalid=self.on_invalid,
+                    source=getattr(self.controller, "name", None) or type(self.controller).__name__,
+                )
+            except Exception:
+                bpdist.broadcast_int(-1)  # the other ranks wait in the broadcast: tell them to stop too
+                raise
+        new = bpdist.broadcast_int(new)
+        if new < 1:
+            raise RuntimeError("rank 0's batch size controller failed (see rank 0's error); stopping this rank too.")
+        if new != current or note is not None:
+            self.last_decision = {
+                "step": self.step, "samples_seen": self.samples_seen, "old_size": current, "new_size": new, "note": note,
+            }
+        return new
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, loss history, throughput and the controller's state (JSON-serialisable if the
+        controller's state is)."""
+        return {
+            "format": _FORMAT,
+            "step": self.step,
+            "samples_seen": self.samples_seen,
+            "losses": list(self.losses),
+            "samples_per_s": self.samples_per_s,
+            "controller": None if self.controller is None else self.controller.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output.
+
+        Raises:
+            ValueError: ``state`` is not a driver state.
+        """
+        if not isinstance(state, Mapping) or state.get("format") != _FORMAT:
+            raise ValueError("not a batchpilot SizeDriver state; pass what SizeDriver.state_dict() returned.")
+        self.step = int(state["step"])
+        self.samples_seen = int(state["samples_seen"])
+        self.losses = collections.deque((float(x) for x in state["losses"]), maxlen=self.losses.maxlen)
+        self.samples_per_s = state["samples_per_s"]
+        if self.controller is not None and state["controller"] is not None:
+            self.controller.load_state_dict(state["controller"])

@@ -1,0 +1,193 @@
+"""`HFRun`: the adaptive-batch state of one ``AdaptiveBatchSizeTrainer.train()`` call.
+
+It ties the loader (data position, exact sizes), the driver (controller, counters) and the optional LR
+coupling together, keeps the step in flight, and is what ``trainer.batchpilot`` exposes to users.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from .. import distributed as bpdist
+from ..data.loader import AdaptiveDataLoader, MicroBatch
+from ..lr import LRCoupling
+from ._driver import SizeDriver
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step as this rank ran it.
+
+    Attributes:
+        step: 0-based index of the step.
+        global_size: Samples in the step over all ranks (B).
+        local_size: This rank's samples in the step.
+        accumulation_steps: Micro-batches per rank (``gradient_accumulation_steps``).
+        epoch, offset: Position of the step's first sample (epoch, samples of it consumed before).
+        indices: This rank's dataset indices in the step, ghost micro-batches excluded.
+        ghosts: Micro-batches of this rank that carried no sample of its own (weighted 0).
+    """
+
+    step: int
+    global_size: int
+    local_size: int
+    accumulation_steps: int
+    epoch: int
+    offset: int
+    indices: np.ndarray
+    ghosts: int
+
+
+class HFRun:
+    """Loader + driver + LR coupling for one training run (see the module docstring).
+
+    Args:
+        loader: The rank's :class:`~batchpilot.AdaptiveDataLoader` (fixed ``accumulation_steps``).
+        driver: Decides the next global size.
+        world_size: Data-parallel ranks.
+        total_samples: ``num_train_epochs * len(dataset)`` when training by epochs (the LR schedule's and the
+            progress bar's length), ``None`` when ``max_steps`` bounds training.
+        lr_rule, lr_knee: LR coupling (see :func:`batchpilot.lr.lr_factor`); base batch size = first size.
+    """
+
+    def __init__(
+        self,
+        loader: AdaptiveDataLoader,
+        driver: SizeDriver,
+        *,
+        world_size: int,
+        total_samples: int | None,
+        lr_rule: Any = "none",
+        lr_knee: int = 4096,
+    ) -> None:
+        self.loader = loader
+        self.driver = driver
+        self.world_size = world_size
+        self.total_samples = total_samples
+        self.lr_rule, self.lr_knee = lr_rule, lr_knee
+        self.coupling: LRCoupling | None = None
+        self._coupling_state: Mapping[str, Any] | None = None
+        self.inflight: StepRecord | None = None
+        self.last_step: StepRecord | None = None
+        self.last_loss: float | None = None
+        self._loss: torch.Tensor | float = 0.0
+
+    # ------------------------------------------------------------------ progress (read by logs and users)
+    @property
+    def batch_size(self) -> int:
+        """Global batch size of the next step."""
+        return self.loader.batch_size
+
+    @property
+    def samples_seen(self) -> int:
+        """Samples of completed steps, over all ranks."""
+        return self.driver.samples_seen
+
+    @property
+    def epoch(self) -> int:
+        """Full passes over the data completed."""
+        return self.loader.position()[0]
+
+    @property
+    def coverage(self) -> float:
+        """Fraction of the current pass consumed, in ``[0, 1)``."""
+        return self.loader.position()[1] / self.loader.sampler.num_samples
+
+    @property
+    def virtual_epoch(self) -> float:
+        """``samples_seen / len(dataset)`` (seed 003's logged ``epoch``)."""
+        return self.driver.samples_seen / self.loader.sampler.num_samples
+
+    # ------------------------------------------------------------------ one step
+    def begin_step(self, micro: list[MicroBatch]) -> list[float]:
+        """Record the step made of ``micro`` and return each micro-batch's loss divisor.
+
+        Dividing micro-batch ``m``'s mean loss by ``B / (world_size * n_m)`` weights it by its share of the
+        global batch (DDP then averages over ranks), so the step's gradient is the mean over all ``B``
+        samples whatever the split; a ghost micro-batch (``n_m = 0``) gets an infinite divisor (weight 0).
+        """
+        first = micro[0]
+        own = [m.indices for m in micro if not m.ghost]
+        self.inflight = StepRecord(
+            step=first.step,
+            global_size=first.global_size,
+            local_size=first.local_size,
+            accumulation_steps=first.accumulation_steps,
+            epoch=first.epoch,
+            offset=first.offset,
+            indices=np.concatenate(own) if own else np.empty(0, dtype=np.int64),
+            ghosts=len(micro) - len(own),
+        )
+        self._loss = 0.0
+        return [
+            first.global_size / (self.world_size * m.size) if m.size else float("inf") for m in micro
+        ]
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        """Add one micro-batch's (already weighted) loss, as ``Trainer.training_step`` returns it."""
+        self._loss = self._loss + loss.detach()
+
+    def lr_clock(self) -> int:
+        """Samples seen once the step in flight is done (what a sample-based LR schedule steps to)."""
+        return self.driver.samples_seen + (self.inflight.global_size if self.inflight is not None else 0)
+
+    def end_step(self) -> float:
+        """Count the step in flight; return its mean loss over all ranks (a collective when distributed)."""
+        step = self.inflight
+        if step is None:
+            raise RuntimeError("end_step() without a step in flight: get_batch_samples() did not run this step.")
+        loss = torch.as_tensor(self._loss, dtype=torch.float64).detach().reshape(1).cpu()
+        if self.world_size > 1:
+            loss = bpdist.all_reduce_sum(loss)
+        # Each micro-batch returned mean * W * n / B, so the sum over all ranks is W times the global mean.
+        self.last_loss = float(loss[0]) / self.world_size
+        self.driver.end_step(step.global_size, self.last_loss)
+        self.last_step, self.inflight = step, None
+        return self.last_loss
+
+    def decide(self, stats: Mapping[str, float] | None = None) -> int:
+        """Ask the driver for the next size (rank 0 decides, all apply) and set it on the loader."""
+        epoch, offset, _ = self.loader.position()
+        new = self.driver.decide(
+            self.loader.batch_size, epoch=epoch, coverage=offset / self.loader.sampler.num_samples, stats=stats
+        )
+        self.loader.set_batch_size(new)  # rewinds whatever was prefetched at the old size
+        if self.coupling is not None:
+            self.coupling.scale(new)
+        return new
+
+    # ------------------------------------------------------------------ LR coupling
+    def start_coupling(self, optimizer: torch.optim.Optimizer) -> None:
+        """Scale the LR for the first step (or restore a saved coupling); call once the optimizer exists."""
+        if self.lr_rule == "none" or self.coupling is not None:
+            return
+        self.coupling = LRCoupling(optimizer, self.driver.initial_batch_size, rule=self.lr_rule, knee=self.lr_knee)
+        if self._coupling_state is not None:
+            self.coupling.load_state_dict(self._coupling_state)  # the loaded optimizer holds the scaled LRs
+        if not self.coupling.is_scaled:
+            self.coupling.scale(self.loader.batch_size)
+
+    def unscale_lr(self) -> None:
+        """Give the LR schedulers the schedule's own LR back (after the optimizer step)."""
+        if self.coupling is not None and self.coupling.is_scaled:
+            self.coupling.unscale()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Data position (with the next size), driver and controller, LR coupling: JSON-serialisable."""
+        return {
+            "loader": self.loader.state_dict(),
+            "driver": self.driver.state_dict(),
+            "coupling": None if self.coupling is None else self.coupling.state_dict(),
+            "world_size": self.world_size,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (possibly saved under another world size)."""
+        self.loader.load_state_dict(state["loader"])
+        self.driver.load_state_dict(state["driver"])
+        self._coupling_state = state.get("coupling")

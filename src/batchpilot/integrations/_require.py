@@ -1,0 +1,21 @@
+"""Import an optional framework or fail with the pip command that installs it."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+
+def require(module: str, extra: str, *, what: str) -> ModuleType:
+    """Import ``module``; if it is missing, raise an ImportError naming the batchpilot extra to install.
+
+    Raises:
+        ImportError: ``module`` is not installed (the message says ``pip install "batchpilot[<extra>]"``).
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(
+            f"{what} needs the {module!r} package, which is not installed; "
+            f'install it with: pip install "batchpilot[{extra}]"'
+        ) from exc

@@ -1,0 +1,432 @@
+"""`AdaptiveBatchSizeTrainer`: a ``transformers.Trainer`` whose global batch size changes while it trains.
+
+Seed 003's API, done exactly::
+
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=partial(linear_increase_scheduler, interval=50, max_size=64, increment=4),
+        model=model, args=TrainingArguments(..., per_device_train_batch_size=4, num_train_epochs=3),
+        train_dataset=train_set, eval_dataset=eval_set, data_collator=collate_fn,
+    )
+    trainer.train()
+
+Sizes are *global*: samples per optimizer step over all ranks. The first step has
+``per_device_train_batch_size * world_size * gradient_accumulation_steps`` samples; after every step rank 0
+asks the scheduler (or any batchpilot controller) for the next size and every rank applies the broadcast
+value. Each rank runs exactly ``gradient_accumulation_steps`` micro-batches per step, so the per-device
+micro-batch is ``size / (world_size * gradient_accumulation_steps)`` (shares differ by at most one sample).
+
+How it fits the Trainer (transformers 5.x, accelerate 1.x):
+
+- Data: a :class:`~batchpilot.AdaptiveDataLoader` (exact coverage; size changes rewind whatever workers and
+  accelerate's one-batch look-ahead prefetched) fetches through ``accelerator.prepare``'s DataLoader, whose
+  ``BatchSamplerShard`` is made a pass-through (our sampler already hands each rank its share).
+- Loop length: ``len()`` is an upper bound; an epoch ends when the sampler has covered the data, and
+  training ends after ``num_train_epochs`` passes (or ``max_steps`` steps).
+- Loss: each micro-batch's mean loss is weighted by its share of the global batch, so the step's gradient
+  is the mean over the B samples whatever the split.
+- LR: with ``max_steps=-1`` the schedule runs on samples (``num_train_epochs * len(train_dataset)`` long,
+  ``warmup_steps`` counted in first-step batches); optional LR coupling ``lr_rule="sqrt"`` etc.
+- Logs: ``train_coverage``, a coverage-based ``epoch``, ``batch_size`` and ``samples_seen``.
+- Resume: ``batchpilot_state.json`` in each checkpoint folder; ``ignore_data_skip`` is forced on.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import sys
+from typing import Any, Callable
+
+from ._require import require
+
+transformers = require("transformers", "hf", what="batchpilot.integrations.hf")
+require("accelerate", "hf", what="batchpilot.integrations.hf")
+
+import torch  # noqa: E402
+from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher  # noqa: E402
+from transformers import Trainer, TrainerCallback  # noqa: E402
+from transformers.optimization import get_scheduler  # noqa: E402
+from transformers.trainer_callback import ProgressCallback  # noqa: E402
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker  # noqa: E402
+
+from ..data.loader import AdaptiveDataLoader  # noqa: E402
+from ._driver import SizeDriver  # noqa: E402
+from ._hf_parts import SampleLambdaLR, SampleProgressCallback, TrainLoader, read_state, write_state  # noqa: E402
+from ._hf_run import HFRun, StepRecord  # noqa: E402
+
+__all__ = ["AdaptiveBatchSizeTrainer", "HFRun", "StepRecord"]
+
+logger = logging.getLogger("batchpilot")
+
+
+class AdaptiveBatchSizeTrainer(Trainer):
+    """A ``transformers.Trainer`` that follows a batch-size scheduler or batchpilot controller.
+
+    Args:
+        batch_size_scheduler: A seed-003 callable ``(step, current_size) -> size``, any batchpilot
+            controller (``decide(Observation) -> int``), or ``None`` (constant size). Sizes are global
+            samples per optimizer step; ``step`` is the number of steps completed.
+        *args, **kwargs: Everything ``transformers.Trainer`` takes (``model``, ``args``, ``train_dataset``,
+            ``eval_dataset``, ``data_collator``, ``callbacks``, ...).
+        min_batch_size, max_batch_size: Bounds every decision is clamped to.
+        decide_every: Ask the scheduler after every ``decide_every``-th step.
+        on_invalid: ``"raise"`` when the scheduler returns 0, a negative, NaN or a non-integer, or
+            ``"keep"`` to keep the current size with a warning.
+        lr_rule: ``"none"`` (default), ``"linear"``, ``"sqrt"``, ``"linear-then-sqrt"`` or a callable:
+            the LR is multiplied by this function of ``B / B0`` (B0: the first step's size), on top of the
+            LR schedule (see :mod:`batchpilot.lr`).
+        lr_knee: Knee of ``"linear-then-sqrt"``.
+
+    Attributes:
+        batchpilot: The :class:`HFRun` of the current (or last) ``train()`` call: ``batch_size`` (next
+            step), ``samples_seen``, ``epoch``, ``coverage``, ``virtual_epoch``, ``last_step`` (a
+            :class:`StepRecord`), ``driver.last_decision``. ``None`` before training.
+
+    Raises:
+        ValueError: a training argument this trainer cannot honour (the message names it and the fix).
+    """
+
+    def __init__(
+        self,
+        batch_size_scheduler: Any = None,
+        *args: Any,
+        min_batch_size: int | None = None,
+        max_batch_size: int | None = None,
+        decide_every: int = 1,
+        on_invalid: str = "raise",
+        lr_rule: str | Callable[[float], float] = "none",
+        lr_knee: int = 4096,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        _check_arguments(self)
+        self.args.ignore_data_skip = True  # the sampler restores the position; Trainer's batch skipping cannot
+        self._bp_options = dict(
+            controller=batch_size_scheduler, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
+            decide_every=decide_every, on_invalid=on_invalid,
+        )
+        self._bp_lr = (lr_rule, lr_knee)
+        self._new_driver(num_samples=1)  # validate the settings now, not at train() time
+        from ..lr import lr_factor
+
+        lr_factor(lr_rule, 1, 1, lr_knee)  # validates the rule
+        self.batchpilot: HFRun | None = None
+        self._bp_resume: str | None = None
+        self._bp_divisors: list[float] = []
+        self._bp_grad_norm: float | None = None
+        self._bp_seen_at_start = 0
+        self.add_callback(_BatchpilotCallback(self))
+        if self.pop_callback(ProgressCallback) is not None:
+            self.add_callback(SampleProgressCallback(lambda: self.batchpilot))
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that receive different data (the world size, without tensor/context parallel groups)."""
+        return max(1, self.args.world_size)
+
+    @property
+    def initial_batch_size(self) -> int:
+        """Global size of the first step: per-device batch x world size x gradient accumulation steps."""
+        return self.args.per_device_train_batch_size * self.data_parallel_size * self.args.gradient_accumulation_steps
+
+    def _new_driver(self, num_samples: int) -> SizeDriver:
+        return SizeDriver(
+            batch_size=self.initial_batch_size, num_samples=num_samples, rank=self.args.process_index,
+            **self._bp_options,
+        )
+
+    # ------------------------------------------------------------------ training entry
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        """``Trainer.train``; a resumed run also restores the data position, sizes and controller."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+        self._bp_resume = resume_from_checkpoint or None
+        try:
+            return super().train(resume_from_checkpoint or None, *args, **kwargs)
+        finally:
+            self._bp_resume = None
+
+    def get_train_dataloader(self) -> TrainLoader:  # type: ignore[override]
+        """Build the run's adaptive loader (restored from the checkpoint when resuming)."""
+        dataset = self.train_dataset
+        if dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+            raise ValueError(
+                f"train_dataset of type {type(dataset).__name__} has no length; AdaptiveBatchSizeTrainer cuts "
+                "global batches from a map-style dataset (with __len__ and __getitem__). Materialise it first."
+            )
+        collator = self.data_collator
+        if _is_hf_dataset(dataset):
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        args = self.args
+        workers = args.dataloader_num_workers
+        extra: dict[str, Any] = {"in_order": True}  # micro-batches must arrive in the order they were planned
+        if workers > 0:
+            extra["worker_init_fn"] = functools.partial(seed_worker, num_workers=workers, rank=args.process_index)
+            if args.dataloader_multiprocessing_context is not None:
+                extra["multiprocessing_context"] = args.dataloader_multiprocessing_context
+        loader = AdaptiveDataLoader(
+            dataset,
+            self.initial_batch_size,
+            shuffle=getattr(args, "train_sampling_strategy", "random") != "sequential",
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            drop_last=args.dataloader_drop_last,
+            rank=args.process_index,
+            world_size=self.data_parallel_size,
+            num_workers=workers,
+            collate_fn=collator,
+            pin_memory=args.dataloader_pin_memory and args.device.type != "cpu",
+            prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
+            persistent_workers=workers > 0,  # a size change then drains the queue instead of new processes
+            accumulation_steps=args.gradient_accumulation_steps,
+            wrap_loader=self._prepare_train_loader,
+            dataloader_kwargs=extra,
+        )
+        epochs = args.num_train_epochs
+        run = HFRun(
+            loader,
+            self._new_driver(len(dataset)),
+            world_size=self.data_parallel_size,
+            total_samples=None if args.max_steps > 0 else math.ceil(epochs * len(dataset)),
+            lr_rule=self._bp_lr[0],
+            lr_knee=self._bp_lr[1],
+        )
+        if self._bp_resume is not None:
+            run.load_state_dict(read_state(self._bp_resume))
+        self.batchpilot = run
+        return TrainLoader(loader, args.gradient_accumulation_steps)
+
+    def _prepare_train_loader(self, dataloader: torch.utils.data.DataLoader) -> Any:
+        """``accelerator.prepare`` (device placement, look-ahead), with the rank sharding made a pass-through."""
+        prepared = self.accelerator.prepare(dataloader)
+        if isinstance(prepared, DataLoaderDispatcher):
+            raise ValueError(
+                "accelerate dispatches batches from rank 0 (dispatch_batches=True), which cannot split batches of "
+                "changing size; pass TrainingArguments(accelerator_config={'dispatch_batches': False})."
+            )
+        shard = getattr(prepared, "batch_sampler", None)
+        if isinstance(shard, BatchSamplerShard):
+            # The sampler already yields this rank's share; sharding again would drop 1 - 1/W of the data.
+            shard.num_processes, shard.process_index = 1, 0
+        return prepared
+
+    def set_initial_training_values(self, args: Any, dataloader: Any, *rest: Any) -> tuple:
+        """Loop bounds that never cut an epoch short: our epochs end by coverage, training by epochs/steps."""
+        if not isinstance(dataloader, TrainLoader):
+            return super().set_initial_training_values(args, dataloader, *rest)
+        num_samples = len(dataloader.dataset)
+        steps_bound = dataloader.steps_bound  # every step takes >= 1 sample
+        if args.max_steps > 0:
+            max_steps, epochs, train_samples = args.max_steps, sys.maxsize, args.max_steps * self.initial_batch_size
+        else:
+            train_samples = math.ceil(args.num_train_epochs * num_samples)
+            max_steps, epochs = train_samples, math.ceil(args.num_train_epochs)  # an upper bound; stop by samples
+        return (
+            epochs, steps_bound, num_samples, train_samples, self.initial_batch_size,
+            steps_bound * args.gradient_accumulation_steps, max_steps,
+        )
+
+    # ------------------------------------------------------------------ LR schedule
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+        """With ``max_steps`` set, Trainer's schedule (the step count is exact). Otherwise the same schedule
+        type in samples: ``num_train_epochs * len(train_dataset)`` long, stepped to ``samples_seen``."""
+        run = self.batchpilot
+        if self.lr_scheduler is not None or run is None or run.total_samples is None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        optimizer = optimizer if optimizer is not None else self.optimizer
+        total = run.total_samples
+        warmup = self.args.warmup_steps
+        if warmup >= 1:
+            warmup_samples = int(warmup) * self.initial_batch_size  # warm-up steps of the first step's size
+        else:
+            warmup_samples = math.ceil(total * (warmup or getattr(self.args, "warmup_ratio", 0) or 0))
+        schedule = get_scheduler(
+            self.args.lr_scheduler_type, optimizer=optimizer, num_warmup_steps=warmup_samples,
+            num_training_steps=total, scheduler_specific_kwargs=self.args.lr_scheduler_kwargs,
+        )
+        if isinstance(schedule, torch.optim.lr_scheduler.LambdaLR):
+            schedule = SampleLambdaLR(optimizer, schedule.lr_lambdas, run.lr_clock)
+        elif not isinstance(schedule, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ValueError(
+                f"lr_scheduler_type={self.args.lr_scheduler_type!r} builds a {type(schedule).__name__}, which "
+                "cannot be driven by samples; use a warm-up/decay schedule (linear, cosine, constant, ...) or "
+                "set max_steps."
+            )
+        self.lr_scheduler = schedule
+        self._created_lr_scheduler = True
+        return schedule
+
+    # ------------------------------------------------------------------ one step
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple:
+        """Pull exactly one optimizer step's micro-batches; an empty list ends the epoch."""
+        run = self.batchpilot
+        if run is None:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        micro = []
+        for m in epoch_iterator:
+            micro.append(m)
+            if m.is_last:
+                break
+        if not micro:  # the sampler has covered the epoch
+            self.control.should_epoch_stop = True
+            if run.total_samples is not None and run.epoch >= self.args.num_train_epochs:
+                self.control.should_training_stop = True
+            return [], None
+        if len(micro) != num_batches or not micro[-1].is_last:
+            raise RuntimeError(
+                f"a step yielded {len(micro)} micro-batches but Trainer expects {num_batches}; "
+                "the training loop and the loader disagree on gradient_accumulation_steps."
+            )
+        self._bp_divisors = run.begin_step(micro)
+        data = [m.data for m in micro]
+        if not self._loss_owns_scaling():
+            return data, None  # the divisors weight each micro-batch (training_step)
+        # A user loss normalised by num_items_in_batch: count items, with ghost micro-batches masked out.
+        data = [_mask_labels(d) if m.ghost else d for d, m in zip(data, micro)]
+        return data, self._get_num_items_in_batch(data, device)
+
+    def _loss_owns_scaling(self) -> bool:
+        if self.loss_is_scaled_for_ga is not None:
+            return bool(self.loss_is_scaled_for_ga)
+        return self.compute_loss_func is not None
+
+    def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        """``Trainer.training_step``, with the micro-batch weighted by its share of the global batch."""
+        run = self.batchpilot
+        if run is not None and self._bp_divisors and not self._loss_owns_scaling():
+            # Trainer divides the loss by this number: B / (W * n) gives weight n / B per sample share.
+            self.current_gradient_accumulation_steps = self._bp_divisors.pop(0)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if run is not None:
+            run.add_loss(loss)
+        return loss
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        value = super()._get_grad_norm(model, grad_norm=grad_norm)
+        self._bp_grad_norm = float(value) if value is not None else None
+        return value
+
+    # ------------------------------------------------------------------ logs and checkpoints
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Add ``train_coverage``, ``batch_size`` and ``samples_seen`` to training logs (``epoch`` is the
+        coverage-based one), and count train speed in real samples."""
+        run = self.batchpilot
+        if run is not None and "loss" in logs:
+            logs["train_coverage"] = round(run.coverage, 6)
+            logs["batch_size"] = run.last_step.global_size if run.last_step is not None else run.batch_size
+            logs["samples_seen"] = run.samples_seen
+            if run.coupling is not None:
+                logs["lr_factor"] = run.coupling.factor
+        if run is not None and "train_runtime" in logs and logs["train_runtime"] > 0:
+            seen = run.samples_seen - self._bp_seen_at_start
+            logs["train_samples_per_second"] = round(seen / logs["train_runtime"], 3)
+        super().log(logs, *args, **kwargs)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        # Our state goes in first: a folder with trainer_state.json always has batchpilot_state.json too.
+        if self.batchpilot is not None and self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            write_state(folder, self.batchpilot.state_dict())
+        super()._save_checkpoint(model, trial)
+
+
+class _BatchpilotCallback(TrainerCallback):
+    """Runs batchpilot's part of each step at the right moment of Trainer's loop."""
+
+    def __init__(self, trainer: AdaptiveBatchSizeTrainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer, run = self.trainer, self.trainer.batchpilot
+        if run is None:
+            return
+        if run.driver.step != state.global_step:
+            logger.warning(
+                "batchpilot state says %d steps but the Trainer state says %d; continuing from the data position",
+                run.driver.step, state.global_step,
+            )
+        run.start_coupling(trainer.optimizer)
+        trainer._bp_seen_at_start = run.samples_seen
+        state.epoch = run.virtual_epoch
+        run.driver.start_clock()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        run = self.trainer.batchpilot
+        if run is not None:
+            run.unscale_lr()  # the LR scheduler steps on the schedule's own LR
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer, run = self.trainer, self.trainer.batchpilot
+        if run is None:
+            return
+        run.end_step()
+        state.epoch = run.virtual_epoch  # logged as `epoch`: passes over the data by samples (seed 003)
+        stats = {} if trainer._bp_grad_norm is None else {"grad/norm": trainer._bp_grad_norm}
+        run.decide(stats)
+        if run.total_samples is not None and run.samples_seen >= run.total_samples and not control.should_training_stop:
+            # num_train_epochs reached: stop as Trainer does at max_steps (final save/eval on a steps strategy).
+            control.should_training_stop = True
+            if args.save_strategy == "steps":
+                control.should_save = True
+            if args.eval_strategy == "steps" and state.global_step % state.eval_steps != 0:
+                control.should_evaluate = True
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        if self.trainer.batchpilot is not None:
+            self.trainer.batchpilot.driver.start_clock()  # evaluation time is not training throughput
+
+    on_save = on_evaluate
+
+
+def _is_hf_dataset(dataset: Any) -> bool:
+    datasets = sys.modules.get("datasets")
+    return datasets is not None and isinstance(dataset, datasets.Dataset)
+
+
+def _mask_labels(data: Any) -> Any:
+    """A ghost micro-batch with ``labels`` set to -100 (ignored), so it adds no items and no loss."""
+    if isinstance(data, dict) and isinstance(data.get("labels"), torch.Tensor) and not data["labels"].is_floating_point():
+        return {**data, "labels": torch.full_like(data["labels"], -100)}
+    return data
+
+
+def _check_arguments(trainer: Trainer) -> None:
+    """Reject Trainer settings the adaptive loop cannot honour, all at once."""
+    args = trainer.args
+    problems = []
+    if args.auto_find_batch_size:
+        problems.append(
+            "auto_find_batch_size=True restarts training with 0.9x the batch; the size is the scheduler's job "
+            "here: bound it with max_batch_size= and raise gradient_accumulation_steps to fit memory."
+        )
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    if strategy not in ("random", "sequential") or getattr(args, "group_by_length", False):
+        problems.append(
+            f"train_sampling_strategy={strategy!r} builds its own batches; use 'random' or 'sequential'."
+        )
+    config = args.accelerator_config
+    if getattr(config, "split_batches", False):
+        problems.append("accelerator_config.split_batches=True needs a fixed batch size; set it to False.")
+    if getattr(config, "dispatch_batches", None):
+        problems.append("accelerator_config.dispatch_batches=True cannot split changing batch sizes; set it to False.")
+    parallel = trainer.get_tp_size() * trainer.get_cp_size() * trainer.get_sp_size()
+    if parallel > 1:
+        problems.append(f"tensor/context/sequence parallelism (size {parallel}) is not supported; use data parallelism.")
+    if args.max_steps <= 0:
+        for name in ("logging", "eval", "save"):
+            value = getattr(args, f"{name}_steps", None)
+            if isinstance(value, float) and 0 < value < 1:
+                problems.append(
+                    f"{name}_steps={value} is a fraction of the total number of steps, which is unknown while the "
+                    f"batch size changes; pass a whole number of steps (or set max_steps)."
+                )
+    if problems:
+        raise ValueError("AdaptiveBatchSizeTrainer cannot honour these TrainingArguments:\n  - " + "\n  - ".join(problems))
