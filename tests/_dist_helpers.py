@@ -95,3 +95,25 @@ def run_reference(steps: int, micro) -> dict:
 
 def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+def noise_worker(rank: int, world_size: int, init_file: str, out_dir: str, micro) -> None:
+    """Measure the gradient noise scale of a least-squares problem (weights frozen) under DDP."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_engine_stats import least_squares
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        ds, model, true_g2, true_tr = least_squares(n=60_000)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.0)
+        pilot = batchpilot.Pilot(ddp, opt, ds, batch_size=256, noise_every=1, max_micro_batch_size=micro)
+        for x, y in pilot.batches(max_steps=1000):  # enough for the EMA (decay 0.99) to settle
+            pilot.backward(0.5 * ((ddp(x).view(-1) - y) ** 2).mean())
+        out = {k: v for k, v in pilot.last_record.items() if k.startswith("stats/")}
+        out.update(true_g2=true_g2, true_tr=true_tr)
+        Path(out_dir, f"noise{rank}.json").write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()

@@ -78,3 +78,12 @@ def test_example_runs_under_torchrun_and_survives_a_rank_failure(tmp_path):
     assert faulty["restarts"] == 1 and clean["restarts"] == 0
     assert faulty["sizes"] == clean["sizes"]
     assert faulty["weights"] == clean["weights"]
+
+
+@pytest.mark.parametrize("micro", [None, 32])
+def test_noise_scale_under_ddp_matches_the_closed_form(tmp_path, micro):
+    mp.spawn(h.noise_worker, args=(2, str(tmp_path / "init"), str(tmp_path), micro), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"noise{r}.json").read_text()) for r in range(2))
+    assert r0 == r1
+    assert r0["stats/grad_sq_norm"] == pytest.approx(r0["true_g2"], rel=0.1)
+    assert r0["stats/trace_cov"] == pytest.approx(r0["true_tr"], rel=0.1)

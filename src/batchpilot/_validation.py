@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, Callable
 
 
 def check_positive_int(value: Any, name: str, *, minimum: int = 1) -> int:
@@ -59,3 +59,15 @@ def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}.")
     return value
+
+
+def collect_problems(**checks: Callable[[], Any]) -> list[str]:
+    """Run every check and return the messages of those that raised TypeError/ValueError, so that a
+    constructor can report all problems at once (STYLE.md rule 5)."""
+    problems = []
+    for check in checks.values():
+        try:
+            check()
+        except (TypeError, ValueError) as exc:
+            problems.append(str(exc))
+    return problems

@@ -18,7 +18,6 @@ import contextlib
 import logging
 import math
 import os
-import random
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -29,7 +28,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from . import distributed as bpdist
-from ._validation import check_batch_size, check_bounds, check_choice, check_positive_int
+from ._validation import check_batch_size, check_bounds, check_choice, check_positive_int, collect_problems
 from .checkpoint import (
     CheckpointError,
     checkpoint_path,
@@ -39,11 +38,20 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .clipping import StatsClip, grad_norm
-from .controllers.base import Controller, Observation, validate_decision
+from .controllers.base import (
+    Controller,
+    Observation,
+    as_controller,
+    check_controller,
+    controller_name,
+    needs_gradient_stats,
+    validate_decision,
+)
 from .data.loader import AdaptiveDataLoader, MicroBatch
 from .logs import AdjustmentLog, ProgressBar, TensorBoardSink
 from .measure import GradientNoiseProbe, StepMeter
 from .lr import AdaScaleLR, LRCoupling, SampleLRSchedule
+from .rng import gather_rng_states, restore_rng_states
 
 logger = logging.getLogger("batchpilot")
 
@@ -142,7 +150,7 @@ class Pilot:
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
-        problems = _collect_problems(
+        problems = collect_problems(
             batch_size=lambda: check_batch_size(batch_size),
             decide_every=lambda: check_positive_int(decide_every, "decide_every"),
             bounds=lambda: check_bounds(min_batch_size, max_batch_size),
@@ -154,7 +162,7 @@ class Pilot:
             keep_checkpoints=lambda: check_positive_int(keep_checkpoints, "keep_checkpoints"),
             checkpoint_every=lambda: checkpoint_every is None or check_positive_int(checkpoint_every, "checkpoint_every"),
             grad_clip=lambda: _check_grad_clip(grad_clip),
-            controller=lambda: _check_controller(controller),
+            controller=lambda: check_controller(controller),
         )
         if not problems and checkpoint_every is not None and checkpoint_dir is None:
             problems.append("checkpoint_every is set but checkpoint_dir is None; pass checkpoint_dir=... too.")
@@ -193,7 +201,7 @@ class Pilot:
             prefetch_factor=prefetch_factor,
         )
         self.num_samples = self.loader.sampler.num_samples
-        self.controller = _as_controller(controller)
+        self.controller = as_controller(controller)
         self.decide_every = decide_every
         self.min_batch_size, self.max_batch_size = min_batch_size, max_batch_size
         self.on_invalid = on_invalid
@@ -220,7 +228,7 @@ class Pilot:
         self._tb = TensorBoardSink(tensorboard_dir) if (tensorboard_dir is not None and self._lead) else None
         self._progress_enabled = progress if self._lead else False
         self._callbacks: list[StepCallback] = []
-        if noise_every is None and (_needs_gradient_stats(self.controller) or self.adascale is not None):
+        if noise_every is None and (needs_gradient_stats(self.controller) or self.adascale is not None):
             noise_every = 4
         self._noise = GradientNoiseProbe(self._params, every=noise_every) if noise_every else None
         self._meter = StepMeter(system_every=system_every, device=self.device)
@@ -397,9 +405,12 @@ class Pilot:
             scaled = self.scaler.scale(scaled)
         scaled.backward()
         self._backward_done = True
-        if self._noise is not None and self._noise.measuring:
-            grad_scale = 1.0 if self.scaler is None else float(self.scaler.get_scale())
-            self._noise.after_backward(n, micro.global_size, synced=self._ddp and micro.is_last, grad_scale=grad_scale)
+        if self._noise is not None and self._noise.measuring and n:
+            # increment of .grad = weight * grad(loss); grad(loss) = g_j for a mean loss, n * g_j for a sum
+            to_mean = weight * (1 if self.loss_reduction == "mean" else n)
+            if self.scaler is not None:
+                to_mean *= float(self.scaler.get_scale())
+            self._noise.after_backward(n, to_mean, synced=self._ddp and micro.is_last)
 
     # ------------------------------------------------------------------ step end
     def _finish_step(self, micro: MicroBatch, bar: ProgressBar) -> None:
@@ -521,7 +532,7 @@ class Pilot:
             new, note, source = self._override, "set_batch_size() override", "user"
             self._override = None
         elif self.controller is not None and self.step % self.decide_every == 0:
-            source = _name(self.controller)
+            source = controller_name(self.controller)
             new, note = current, None
             if self._lead:
                 try:
@@ -585,14 +596,28 @@ class Pilot:
             self._log.write("event", {"step": self.step + 1, "event": kind, **data})
 
     # ------------------------------------------------------------------ state
+    def _components(self) -> dict[str, Any]:
+        """The stateful parts, by checkpoint key (``None`` where a feature is off)."""
+        return {
+            "model": self.model.module if self._ddp else self.model,
+            "optimizer": self.optimizer,
+            "scaler": self.scaler,
+            "coupling": self.coupling,
+            "adascale": self.adascale,
+            "loader": self.loader,
+            "controller": self.controller,
+            "stats_clip": self._stats_clip,
+            "noise": self._noise,
+            "meter": self._meter,
+        }
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly: model, optimizer, scaler, schedulers, data position,
-        controller, LR coupling, clipping statistics, RNG states and the log position.
+        controller, LR coupling, statistics, RNG states and the log position.
 
         Call it between steps. Under DDP every rank must call it (RNG states are gathered)."""
         if self._micro is not None:
             raise RuntimeError("state_dict() was called in the middle of a step; call it between steps.")
-        module = self.model.module if self._ddp else self.model
         return {
             "pilot": {
                 "step": self.step,
@@ -602,53 +627,34 @@ class Pilot:
                 "throughput": self._throughput,
                 "world_size": self.world_size,
             },
-            "model": module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            **{key: None if obj is None else obj.state_dict() for key, obj in self._components().items()},
             "lr_schedulers": [s.state_dict() for s in self.lr_schedulers],
-            "coupling": self.coupling.state_dict(),
-            "adascale": None if self.adascale is None else self.adascale.state_dict(),
-            "loader": self.loader.state_dict(),
-            "controller": None if self.controller is None else self.controller.state_dict(),
-            "stats_clip": None if self._stats_clip is None else self._stats_clip.state_dict(),
-            "noise": None if self._noise is None else self._noise.state_dict(),
-            "meter": self._meter.state_dict(),
-            "rng": _gather_rng(self.world_size),
+            "rng": gather_rng_states(self.world_size),
             "log_position": None if self._log is None else self._log.position(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (possibly saved under another world size)."""
-        p = state["pilot"]
-        self.step, self.samples_seen, self.skipped_steps = int(p["step"]), int(p["samples_seen"]), int(p["skipped_steps"])
-        self._losses = collections.deque(p["losses"], maxlen=self._losses.maxlen)
-        self._throughput = p["throughput"]
-        module = self.model.module if self._ddp else self.model
-        module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scaler is not None and state["scaler"] is not None:
-            self.scaler.load_state_dict(state["scaler"])
+        """Restore a :meth:`state_dict` (possibly saved under another world size).
+
+        Raises:
+            CheckpointError: the state was saved by a Pilot with other LR schedulers.
+        """
         if len(state["lr_schedulers"]) != len(self.lr_schedulers):
             raise CheckpointError(
                 f"the checkpoint has {len(state['lr_schedulers'])} LR schedulers but this Pilot has "
                 f"{len(self.lr_schedulers)}; build the Pilot with the same lr_schedulers."
             )
+        p = state["pilot"]
+        self.step, self.samples_seen, self.skipped_steps = int(p["step"]), int(p["samples_seen"]), int(p["skipped_steps"])
+        self._losses = collections.deque(p["losses"], maxlen=self._losses.maxlen)
+        self._throughput = p["throughput"]
+        for key, obj in self._components().items():
+            if obj is not None and state.get(key) is not None:
+                obj.load_state_dict(state[key])
         for scheduler, s in zip(self.lr_schedulers, state["lr_schedulers"]):
             scheduler.load_state_dict(s)
-        self.coupling.load_state_dict(state["coupling"])
-        if self.adascale is not None and state.get("adascale") is not None:
-            self.adascale.load_state_dict(state["adascale"])
-        self.loader.load_state_dict(state["loader"])
         self._dropped_reported = self.loader.sampler.dropped_samples
-        if self.controller is not None and state["controller"] is not None:
-            self.controller.load_state_dict(state["controller"])
-        if self._stats_clip is not None and state["stats_clip"] is not None:
-            self._stats_clip.load_state_dict(state["stats_clip"])
-        if self._noise is not None and state.get("noise") is not None:
-            self._noise.load_state_dict(state["noise"])
-        if state.get("meter") is not None:
-            self._meter.load_state_dict(state["meter"])
-        _restore_rng(state["rng"], self.rank, self.world_size)
+        restore_rng_states(state["rng"], self.rank, self.world_size)
         if self._log is not None and state["log_position"] is not None:
             self._log.truncate(state["log_position"])
 
@@ -711,47 +717,11 @@ class Pilot:
 
 
 # ---------------------------------------------------------------------- helpers
-def _collect_problems(**checks: Callable[[], Any]) -> list[str]:
-    problems = []
-    for check in checks.values():
-        try:
-            check()
-        except (TypeError, ValueError) as exc:
-            problems.append(str(exc))
-    return problems
-
-
 def _check_grad_clip(value: Any) -> None:
     if value is None or value == "stats":
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
         raise ValueError(f"grad_clip must be None, a positive finite max-norm or 'stats'; got {value!r}.")
-
-
-def _check_controller(value: Any) -> None:
-    if value is None or isinstance(value, Controller) or callable(value):
-        return
-    raise TypeError(
-        f"controller must be a batchpilot Controller or a callable (step, current_size) -> size; got {type(value).__name__}."
-    )
-
-
-def _as_controller(value: Any) -> Controller | None:
-    if value is None or isinstance(value, Controller):
-        return value
-    from .controllers.schedules import Schedule
-
-    return Schedule(value)
-
-
-def _needs_gradient_stats(controller: Any) -> bool:
-    """Whether a controller reads gradient statistics (it lists them in ``required_stats``)."""
-    required = getattr(controller, "required_stats", ())
-    return any(key.startswith("stats/") for key in required)
-
-
-def _name(controller: Any) -> str:
-    return getattr(controller, "name", None) or type(controller).__name__
 
 
 def _to_device(data: Any, device: torch.device) -> Any:
@@ -763,42 +733,3 @@ def _to_device(data: Any, device: torch.device) -> Any:
         moved = [_to_device(v, device) for v in data]
         return type(data)(moved) if isinstance(data, tuple) and not hasattr(data, "_fields") else moved
     return data
-
-
-def _rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "python": random.getstate(),
-    }
-
-
-def _gather_rng(world_size: int) -> list[dict[str, Any]]:
-    state = _rng_state()
-    if world_size == 1 or not bpdist.is_distributed():
-        return [state]
-    gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, state)
-    return gathered
-
-
-def _restore_rng(states: list[dict[str, Any]], rank: int, world_size: int) -> None:
-    if len(states) != world_size:
-        logger.warning(
-            "checkpoint holds RNG states of %d ranks, this job has %d: RNG streams are not restored exactly",
-            len(states), world_size,
-        )
-        return
-    state = states[rank]
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    random.setstate(_as_tuple(state["python"]))
-
-
-def _as_tuple(value: Any) -> Any:
-    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value

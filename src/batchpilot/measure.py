@@ -34,7 +34,7 @@ class GradientNoiseProbe:
         ema_decay: Smoothing of the estimator (see :class:`~batchpilot.stats.NoiseScaleEstimator`).
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], every: int = 4, ema_decay: float = 0.95) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], every: int = 4, ema_decay: float = 0.99) -> None:
         self.params = params
         self.every = every
         self.estimator = NoiseScaleEstimator(ema_decay=ema_decay)
@@ -55,9 +55,16 @@ class GradientNoiseProbe:
         if self.measuring and self._prev is not None:
             torch._foreach_zero_(self._prev)
 
-    def after_backward(self, size: int, global_size: int, synced: bool, grad_scale: float = 1.0) -> None:
-        """Record micro-batch ``j``'s gradient norm (``synced``: this backward already reduced over ranks;
-        ``grad_scale``: the AMP loss scale the gradients still carry)."""
+    def after_backward(self, size: int, to_mean: float, synced: bool) -> None:
+        """Record the gradient norm of a micro-batch of ``size`` samples.
+
+        Args:
+            size: Samples in the micro-batch.
+            to_mean: The factor between this backward's ``.grad`` increment and the micro-batch's mean
+                gradient (the engine's loss weight, times the AMP loss scale, times ``size`` for a
+                summed loss): ``increment = to_mean * g_j``.
+            synced: This backward already reduced the gradients over ranks (DDP's last micro-batch).
+        """
         if not self.measuring or synced or size == 0:
             return
         start = time.perf_counter()
@@ -67,7 +74,7 @@ class GradientNoiseProbe:
         increment = torch._foreach_sub(grads, self._prev)
         sq = sum(float(n) ** 2 for n in torch._foreach_norm(increment))
         torch._foreach_copy_(self._prev, grads)
-        self._sq_norms.append(sq * (global_size / (size * grad_scale)) ** 2)
+        self._sq_norms.append(sq / to_mean**2)
         self._sizes.append(size)
         self.seconds += time.perf_counter() - start
 

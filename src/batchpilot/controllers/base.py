@@ -123,3 +123,36 @@ def _problem(value: Any) -> str | None:
             return "not a whole number"
         return None if v >= 1 else "not positive"
     return f"of type {type(value).__name__}"
+
+
+def check_controller(value: Any) -> None:
+    """Accept ``None``, a :class:`Controller`, or a callable ``(step, current_size) -> size``.
+
+    Raises:
+        TypeError: anything else.
+    """
+    if value is None or isinstance(value, Controller) or callable(value):
+        return
+    raise TypeError(
+        f"controller must be a batchpilot Controller or a callable (step, current_size) -> size; got {type(value).__name__}."
+    )
+
+
+def as_controller(value: Any) -> Controller | None:
+    """A :class:`Controller` for ``value``: a plain callable is wrapped in :class:`~batchpilot.controllers.Schedule`."""
+    if value is None or isinstance(value, Controller):
+        return value
+    from .schedules import Schedule
+
+    return Schedule(value)
+
+
+def needs_gradient_stats(controller: Any) -> bool:
+    """Whether a controller reads gradient statistics (it lists them in ``required_stats``)."""
+    required = getattr(controller, "required_stats", ())
+    return any(key.startswith("stats/") for key in required)
+
+
+def controller_name(controller: Any) -> str:
+    """The name used in logs: the controller's ``name`` attribute, else its class name."""
+    return getattr(controller, "name", None) or type(controller).__name__

@@ -9,8 +9,9 @@ Two ways to get it:
 
 * :func:`per_sample_grad_variance`: exact, from per-sample gradients computed with ``torch.func``
   (``functional_call`` + ``vmap`` + ``grad``; the recipe of the torch.func "per-sample gradients"
-  tutorial). It costs roughly one extra forward/backward of the batch plus ``chunk_size x parameters``
-  memory, so measure it every few hundred steps, not every step. Models that couple the samples of a
+  tutorial). It costs several forward/backward passes of the batch (3-9x on the MNIST-1D CNN, see
+  benchmarks/estimators.py) and ``chunk_size x parameters`` memory, so measure it every few hundred
+  steps, not every step. Models that couple the samples of a
   batch (BatchNorm in train mode) have no per-sample gradients and raise :class:`PerSampleGradError`.
 * :func:`micro_batch_grad_variance`: an unbiased estimate from the gradients of ``k >= 2`` micro-batches
   (free in an accumulating loop, or from the ranks under DDP), for any model.
@@ -19,6 +20,7 @@ Two ways to get it:
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Callable, Sequence
 
 import torch
@@ -112,8 +114,6 @@ def per_sample_grad_variance(
         stop = min(start + step, n)
         try:
             grads = per_sample(params, tuple(x[start:stop] for x in xs), targets[start:stop])
-        except PerSampleGradError:
-            raise
         except RuntimeError as err:
             raise PerSampleGradError(
                 f"torch.func could not compute per-sample gradients of {type(model).__name__}: {err}. {_fallback_hint()}"
@@ -174,20 +174,20 @@ def micro_batch_grad_variance(
     if len(micro) != len(sizes):
         raise ValueError(f"micro has {len(micro)} entries but sizes has {len(sizes)}; pass one size per micro-batch.")
     for j, nj in enumerate(sizes):
-        if isinstance(nj, bool) or not isinstance(nj, int) or nj < 0:
+        if isinstance(nj, bool) or not isinstance(nj, numbers.Integral) or nj < 0:
             raise ValueError(f"sizes[{j}] must be an int >= 0, got {nj!r}.")
     keep = [j for j, nj in enumerate(sizes) if nj > 0]
-    k, total = len(keep), sum(sizes[j] for j in keep)
+    k, total = len(keep), sum(int(sizes[j]) for j in keep)
     if k < 2:
         raise ValueError(f"need at least two non-empty micro-batches, got sizes={list(sizes)}.")
-    scalar = all(isinstance(micro[j], (int, float)) and not isinstance(micro[j], bool) for j in keep)
+    scalar = all(isinstance(micro[j], numbers.Real) and not isinstance(micro[j], bool) for j in keep)
     if scalar:
         if sq_norm_mean is None or not math.isfinite(sq_norm_mean) or sq_norm_mean < 0:
             raise ValueError(
                 f"with squared norms as `micro`, sq_norm_mean (|g|^2 of the whole batch) must be a finite number >= 0; "
                 f"got {sq_norm_mean!r}."
             )
-        spread = sum(sizes[j] * float(micro[j]) for j in keep) - total * float(sq_norm_mean)
+        spread = sum(int(sizes[j]) * float(micro[j]) for j in keep) - total * float(sq_norm_mean)
         spread = max(spread, 0.0)
     else:
         if sq_norm_mean is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import math
+import numbers
 from typing import Any
 
 __all__ = ["LossTrend"]
@@ -43,7 +44,7 @@ class LossTrend:
         Raises:
             ValueError: ``loss`` is not a finite number (skip non-finite steps instead of passing them).
         """
-        if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss):
+        if isinstance(loss, bool) or not isinstance(loss, numbers.Real) or not math.isfinite(loss):
             raise ValueError(f"loss must be a finite number, got {loss!r}; do not record skipped (non-finite) steps.")
         self._losses.append(float(loss))
 

@@ -26,21 +26,22 @@ the micro-batches), smoothed by a bias-corrected EMA.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Sequence
 
 __all__ = ["ThroughputModel"]
 
 
 def _check_seconds(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}.")
     return float(value)
 
 
 def _check_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
-    return value
+    return int(value)
 
 
 class ThroughputModel:
@@ -58,11 +59,11 @@ class ThroughputModel:
 
     def __init__(self, forget: float = 0.9, warmup: int = 1, overhead_decay: float = 0.9, max_sizes: int = 64) -> None:
         problems = []
-        if not (isinstance(forget, (int, float)) and 0 <= forget < 1):
+        if not (isinstance(forget, numbers.Real) and 0 <= forget < 1):
             problems.append(f"forget must be in [0, 1), got {forget!r}")
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             problems.append(f"warmup must be an int >= 0, got {warmup!r}")
-        if not (isinstance(overhead_decay, (int, float)) and 0 <= overhead_decay < 1):
+        if not (isinstance(overhead_decay, numbers.Real) and 0 <= overhead_decay < 1):
             problems.append(f"overhead_decay must be in [0, 1), got {overhead_decay!r}")
         if isinstance(max_sizes, bool) or not isinstance(max_sizes, int) or max_sizes < 2:
             problems.append(f"max_sizes must be an int >= 2, got {max_sizes!r}")

@@ -1,0 +1,62 @@
+"""Random-number-generator states, captured and restored for exact resume.
+
+Covers the generators a training loop typically draws from: torch (CPU and every CUDA device), numpy's
+global generator and Python's ``random``. States are stored as tensors, lists and numbers only, so a
+checkpoint stays loadable with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import distributed as bpdist
+
+logger = logging.getLogger("batchpilot")
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's generator states."""
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": random.getstate(),
+    }
+
+
+def gather_rng_states(world_size: int) -> list[dict[str, Any]]:
+    """Every rank's states, in rank order (a collective under ``torch.distributed``)."""
+    state = rng_state()
+    if world_size == 1 or not bpdist.is_distributed():
+        return [state]
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, state)
+    return gathered
+
+
+def restore_rng_states(states: list[dict[str, Any]], rank: int, world_size: int) -> None:
+    """Restore this rank's states; with another world size, warn and leave the generators as they are."""
+    if len(states) != world_size:
+        logger.warning(
+            "checkpoint holds RNG states of %d ranks, this job has %d: RNG streams are not restored exactly",
+            len(states), world_size,
+        )
+        return
+    state = states[rank]
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    random.setstate(_as_tuple(state["python"]))
+
+
+def _as_tuple(value: Any) -> Any:
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
