@@ -177,7 +177,11 @@ def test_policy_list_errors():
 
 @pytest.mark.parametrize("argv, fragment", [
     (["bench", "--policies", "static:32,bogus"], "unknown policy kind 'bogus'"),
-    (["bench", "--workload", "imagenet"], "unknown workload 'imagenet'; choose one of: mnist1d, synthetic"),
+    (["bench", "--workload", "imagenet"],
+     "unknown workload 'imagenet'; choose one of: digits, mnist1d, seqsum, synthetic, or all."),
+    (["bench", "--workload", "synthetic", "--tune-factors", "1,x"], "--tune-factors '1,x' is not"),
+    (["bench", "--workload", "synthetic", "--tune-factors", "0,1"], "must list positive numbers"),
+    (["bench", "--workload", "synthetic", "--policies", "noise-scale:5"], "takes no argument"),
     (["bench", "--workload", "synthetic", "--seeds", "0,x"], "'x' is not a whole number"),
     (["bench", "--workload", "synthetic", "--target-accuracy", "1.5"], "--target-accuracy must be in (0, 1]"),
     (["bench", "--workload", "synthetic", "--budget-s", "0"], "--budget-s must be a positive"),
@@ -201,7 +205,7 @@ def test_cli_out_that_is_a_file_exits_2(tmp_path, capsys):
 
 def test_get_workload_lists_the_names():
     assert get_workload("synthetic") is WORKLOADS["synthetic"]
-    with pytest.raises(ValueError, match="choose one of: mnist1d, synthetic"):
+    with pytest.raises(ValueError, match="choose one of: digits, mnist1d, seqsum, synthetic"):
         get_workload("mnist")
 
 

@@ -1,8 +1,8 @@
 """The ``batchpilot`` command.
 
-    batchpilot bench [--workload mnist1d] [--policies static:32,static:128,static:512,ramp] [--seeds 0,1]
-                     [--target-accuracy A] [--budget-s S] [--eval-every E] [--out DIR] [--quick]
-    batchpilot report LOG.jsonl --out DIR [--x samples|time]
+    batchpilot bench [--workload mnist1d|digits|seqsum|synthetic|all] [--policies default] [--seeds 0,1,2,3,4]
+                     [--target-accuracy A] [--budget-s S] [--eval-every E] [--out DIR] [--quick] [--list]
+    batchpilot report LOG.jsonl|results.json --out DIR [--x samples|time]
 
 Bad input (an unknown policy or workload, a malformed number, a missing log) ends with a one-line message
 and exit status 2, never a traceback.
@@ -18,13 +18,13 @@ from typing import Sequence
 
 __all__ = ["main"]
 
-# Settings of a full run and of --quick (about 2 minutes on 2 CPU cores, data generation included).
-FULL = {"seeds": "0,1,2", "budget_s": 120.0}
-QUICK = {"seeds": "0", "budget_s": 30.0}
+# Settings of a full run (issue 3's comparison, 5 seeds) and of --quick (a few minutes on 2 CPU cores).
+FULL = {"seeds": "0,1,2,3,4", "policies": "default"}
+QUICK = {"seeds": "0", "policies": "quick"}
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .bench.runner import _POLICY_HELP, DEFAULT_POLICIES
+    from .bench.policies import NAMED_SETS, POLICY_HELP
     from .bench.workloads import WORKLOADS
 
     parser = argparse.ArgumentParser(
@@ -40,20 +40,30 @@ def _parser() -> argparse.ArgumentParser:
         "the training time, steps and samples to a target test accuracy. Writes DIR/results.json, "
         "DIR/report.md and PNG plots.",
     )
-    names = ", ".join(f"{w.name} ({w.description})" for w in WORKLOADS.values())
-    bench.add_argument("--workload", default="mnist1d", help=f"one of: {names}. Default: mnist1d.")
-    bench.add_argument("--policies", default=DEFAULT_POLICIES,
-                       help=f"comma-separated policies: {_POLICY_HELP}. Default: {DEFAULT_POLICIES}.")
+    names = ", ".join(WORKLOADS)
+    bench.add_argument("--workload", default="mnist1d",
+                       help=f"one of: {names}, or all (every workload but synthetic). Default: mnist1d. "
+                       "See --list.")
+    bench.add_argument("--policies", default=None,
+                       help=f"comma-separated policies: {POLICY_HELP}. Default: {FULL['policies']} "
+                       f"(= {NAMED_SETS['default']}); {QUICK['policies']} with --quick.")
     bench.add_argument("--seeds", default=None,
                        help=f"comma-separated run seeds. Default: {FULL['seeds']} ({QUICK['seeds']} with --quick).")
     bench.add_argument("--target-accuracy", type=float, default=None,
                        help="test accuracy to reach. Default: the workload's (its quick target with --quick).")
     bench.add_argument("--budget-s", type=float, default=None,
-                       help=f"most training seconds per run. Default: {FULL['budget_s']:g} ({QUICK['budget_s']:g} with --quick).")
+                       help="most training seconds per run. Default: the workload's (see --list; its quick "
+                       "budget with --quick).")
     bench.add_argument("--eval-every", type=float, default=0.25, help="epochs between evaluations. Default: 0.25.")
-    bench.add_argument("--out", default="bench-out", help="output folder. Default: ./bench-out.")
+    bench.add_argument("--tune-factors", default="0.5,1,2",
+                       help="LR grid of tuned-static:N, as multiples of the rule LR. Default: 0.5,1,2.")
+    bench.add_argument("--calibrate-steps", type=int, default=4,
+                       help="timed steps per batch size and round (3 rounds) in the step-time calibration. Default: 4.")
+    bench.add_argument("--out", default="bench-out", help="output folder (with --workload all: one subfolder "
+                       "per workload). Default: ./bench-out.")
     bench.add_argument("--quick", action="store_true",
-                       help="a run of about 2 minutes on 2 cores: one seed, a lower target, a short budget.")
+                       help="a short run: one seed, the quick policy set, a lower target, a short budget.")
+    bench.add_argument("--list", action="store_true", help="list the workloads and policies, and exit.")
     bench.add_argument("--threads", type=int, default=None,
                        help="torch.set_num_threads for the run (default: leave torch's setting). On a busy "
                        "machine, 1 thread is far less sensitive to other processes.")
@@ -89,28 +99,47 @@ def _seeds(text: str) -> list[int]:
     return seeds
 
 
-def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .bench.report import format_table, write_report
-    from .bench.runner import parse_policies, run_benchmark
-    from .bench.workloads import get_workload
+def _factors(text: str) -> list[float]:
+    try:
+        values = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"--tune-factors {text!r} is not a comma-separated list of numbers, e.g. 0.5,1,2.") from None
+    if not values or any(not (0 < v < float("inf")) for v in values):
+        raise ValueError(f"--tune-factors {text!r} must list positive numbers, e.g. 0.5,1,2.")
+    return values
 
+
+def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .bench.report import format_table, write_index, write_report
+    from .bench.runner import run_benchmark
+    from .bench.policies import parse_policies
+    from .bench.workloads import WORKLOADS, all_workloads, get_workload
+
+    if args.list:
+        print(list_text())
+        return 0
     mode = QUICK if args.quick else FULL
     try:
-        workload = get_workload(args.workload)
-        policies = parse_policies(args.policies)
+        if args.workload == "all":
+            workloads = [WORKLOADS[n] for n in all_workloads()]
+        else:
+            try:
+                workloads = [get_workload(args.workload)]
+            except ValueError as exc:
+                raise ValueError(f"{str(exc)[:-1]}, or all.") from None
+        policies = parse_policies(args.policies if args.policies is not None else mode["policies"])
         seeds = _seeds(args.seeds if args.seeds is not None else mode["seeds"])
+        factors = _factors(args.tune_factors)
     except ValueError as exc:
         parser.error(str(exc))
-    target = args.target_accuracy
-    if target is None:
-        target = workload.quick_target_accuracy if args.quick else workload.target_accuracy
-    budget = args.budget_s if args.budget_s is not None else mode["budget_s"]
-    if not 0 < target <= 1:
-        parser.error(f"--target-accuracy must be in (0, 1], got {target}.")
-    if not 0 < budget < float("inf"):
-        parser.error(f"--budget-s must be a positive number of seconds, got {budget}.")
+    if args.target_accuracy is not None and not 0 < args.target_accuracy <= 1:
+        parser.error(f"--target-accuracy must be in (0, 1], got {args.target_accuracy}.")
+    if args.budget_s is not None and not 0 < args.budget_s < float("inf"):
+        parser.error(f"--budget-s must be a positive number of seconds, got {args.budget_s}.")
     if not 0 < args.eval_every < float("inf"):
         parser.error(f"--eval-every must be a positive number of epochs, got {args.eval_every}.")
+    if args.calibrate_steps < 1:
+        parser.error(f"--calibrate-steps must be >= 1, got {args.calibrate_steps}.")
     if args.threads is not None:
         if args.threads < 1:
             parser.error(f"--threads must be >= 1, got {args.threads}.")
@@ -123,22 +152,38 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         parser.error(f"--out {str(out)!r} cannot be used as the output folder ({exc.strerror}); pass another folder.")
-    try:
-        results = run_benchmark(workload, policies, seeds, target, budget, out, args.eval_every, args.progress)
-    except ImportError as exc:  # a missing optional extra (mnist1d)
-        parser.exit(2, f"batchpilot bench: error: {exc}\n")
-    except KeyboardInterrupt:
-        parser.exit(130, f"\nbatchpilot bench: interrupted; finished runs are in {out / 'results.json'}\n")
-    print()
-    print(f"{workload.name}: time to test accuracy {target:g} (training time, median over seeds {seeds})")
-    print(format_table(results))
-    try:
-        write_report(results, out)
-    except ImportError as exc:  # matplotlib missing: the results are still there
-        print(f"batchpilot bench: no plots: {exc}", file=sys.stderr)
-        print(f"\nresults: {out / 'results.json'}")
-        return 0
-    print(f"\nreport: {out / 'report.md'} (plots and results.json beside it)")
+    everything = {}
+    for workload in workloads:
+        target = args.target_accuracy
+        if target is None:
+            target = workload.quick_target_accuracy if args.quick else workload.target_accuracy
+        budget = args.budget_s
+        if budget is None:
+            budget = workload.quick_budget_s if args.quick else workload.budget_s
+        folder = out / workload.name if len(workloads) > 1 else out
+        try:
+            results = run_benchmark(workload, policies, seeds, target, budget, folder, args.eval_every, args.progress,
+                                    calibrate_steps=args.calibrate_steps, tune_factors=factors)
+        except ImportError as exc:  # a missing optional extra (mnist1d, scikit-learn)
+            parser.exit(2, f"batchpilot bench: error: {exc}\n")
+        except KeyboardInterrupt:
+            parser.exit(130, f"\nbatchpilot bench: interrupted; finished runs are in {folder / 'results.json'}\n")
+        everything[workload.name] = results
+        print()
+        print(f"{workload.name}: time to test accuracy {target:g} (training time, median over seeds {seeds})")
+        print(format_table(results))
+        for key in ("a", "b", "c"):
+            entry = results["targets"][key]
+            print(f"target ({key}): {entry['status']}: {entry['text']}")
+        try:
+            write_report(results, folder)
+        except ImportError as exc:  # matplotlib missing: the results are still there
+            print(f"batchpilot bench: no plots: {exc}", file=sys.stderr)
+            print(f"\nresults: {folder / 'results.json'}")
+            continue
+        print(f"\nreport: {folder / 'report.md'} (plots and results.json beside it)")
+    if len(workloads) > 1:
+        print(f"\nall workloads: {write_index(everything, out)}")
     return 0
 
 
@@ -163,6 +208,28 @@ def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for p in written:
         print(p)
     return 0
+
+
+def list_text() -> str:
+    """What ``batchpilot bench --list`` prints: the workloads and the policies."""
+    from .bench.policies import DESCRIPTIONS, NAMED_SETS
+    from .bench.workloads import WORKLOADS
+
+    lines = ["Workloads (--workload NAME, or all):"]
+    for w in WORKLOADS.values():
+        lines.append(f"  {w.name:<10} target {w.target_accuracy:g} (quick {w.quick_target_accuracy:g}), budget "
+                     f"{w.budget_s:g} s/run, batch {w.min_batch_size}..{w.max_batch_size}, lr_rule {w.lr_rule}"
+                     + ("" if w.in_all else "  [not in 'all']"))
+        lines.append(f"             {w.description}")
+    lines += ["", "Policies (--policies, comma-separated):"]
+    forms = {"static": "static:N[@lr=X]", "tuned-static": "tuned-static:N | tuned-static:A-B", "finder": "finder",
+             "ramp": "ramp | ramp:START-END[@EPOCHS]", "smith": "ramp-smith | smith:START-END@EPOCHS",
+             "warmup": "warmup:SMALL-TARGET@W+R"}
+    for kind, text in DESCRIPTIONS.items():
+        lines.append(f"  {forms.get(kind, kind):<38} {text}")
+    lines += ["", "Named sets:"]
+    lines += [f"  {name:<11} {spec}" for name, spec in NAMED_SETS.items()]
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,12 +1,18 @@
-"""The built-in benchmark: workloads, the time-to-accuracy runner, and reports with plots.
+"""The built-in benchmark: workloads, policies, the time-to-accuracy runner, reports with plots.
 
 ``batchpilot bench`` (see :mod:`batchpilot.cli`) is a thin wrapper around :func:`run_benchmark` and
-:func:`write_report`. Plotting needs ``batchpilot[plot]`` and the MNIST-1D workload ``batchpilot[bench]``;
-both are imported only when used.
+:func:`write_report`. Modules: ``workloads`` and ``tasks`` (data and models), ``policies`` (the
+``--policies`` language), ``specs`` (what each policy trains), ``calibrate`` (step-time cost model,
+batch-size finder), ``train`` (one run), ``runner`` (the benchmark), ``summary`` (medians, best static,
+targets), ``report``, ``plots`` and ``progress``. Plotting needs
+``batchpilot[plot]``; the MNIST-1D and digits workloads need ``batchpilot[bench]``; all are imported only
+when used.
 """
 
+from .policies import Policy, parse_policies, parse_policy
 from .report import format_table, plot_log, write_report
-from .runner import Policy, parse_policies, parse_policy, run_benchmark, summarize
+from .runner import run_benchmark
+from .summary import summarize
 from .workloads import WORKLOADS, Workload, get_workload
 
 __all__ = [

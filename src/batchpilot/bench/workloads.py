@@ -8,7 +8,15 @@ the run seed), the learning rate at the base batch size, the optimizer, and the 
   the ``mnist1d`` package's ``make_dataset`` (never its download path) at 60,000 samples, split 48k train /
   12k test, and the paper's small 1D CNN. Generation takes ~20 s on one core, so the arrays are cached as
   ``.npz`` under ``$BATCHPILOT_CACHE`` (default ``~/.cache/batchpilot``), keyed by the generation args.
-* ``synthetic``: nearly linearly separable Gaussian blobs and a tiny MLP, built instantly, for tests.
+* ``digits``: scikit-learn's bundled digits, augmented, and an MLP (see :mod:`.tasks`); cheap per sample,
+  so throughput keeps rising with the batch size.
+* ``seqsum``: a generated 16-digit sequence task and a 2-layer transformer trained with Adam and the
+  square-root LR rule (see :mod:`.tasks`).
+* ``synthetic``: nearly linearly separable Gaussian blobs and a tiny MLP, built instantly, for tests
+  (left out of ``--workload all``).
+
+Targets were set so that the best static batch reaches them well within the budget on 2 CPU cores; the
+budget bounds every run, so a run that would never reach the target costs at most ``budget_s``.
 """
 
 from __future__ import annotations
@@ -27,9 +35,12 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from .tasks import adam, digits_data, digits_mlp, seqsum_data, seqsum_transformer
+
 __all__ = [
     "WORKLOADS",
     "Workload",
+    "all_workloads",
     "cache_dir",
     "get_workload",
     "load_mnist1d",
@@ -60,6 +71,14 @@ class Workload:
         quick_target_accuracy: Target used by ``batchpilot bench --quick`` (reachable in its budget).
         data_seed: Seed the runner passes to ``build_data``.
         loss_fn: ``loss_fn(logits, y) -> scalar`` mean loss.
+        lr_rule: How the LR follows the batch size (``"linear"`` for SGD, ``"sqrt"`` for Adam).
+        budget_s: Default most training seconds per run; ``quick_budget_s`` with ``--quick``.
+        min_batch_size, max_batch_size: Bounds of the adaptive controllers and of the calibration grid
+            (``max_batch_size`` stands for the memory bound; it is capped at the training set size).
+        in_all: Whether ``--workload all`` includes it.
+        smith_every_epochs: Doubling interval of ``ramp-smith``: about a quarter of the epochs the best
+            static batch needs to reach the target (measured once), so the batch doubles at 1/4, 1/2
+            and 3/4 of the run, where Smith et al. 2018 would have decayed the LR.
     """
 
     name: str
@@ -75,6 +94,13 @@ class Workload:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = field(
         default=nn.functional.cross_entropy
     )
+    lr_rule: str = "linear"
+    budget_s: float = 120.0
+    quick_budget_s: float = 30.0
+    min_batch_size: int = 32
+    max_batch_size: int = 4096
+    in_all: bool = True
+    smith_every_epochs: float = 2.0
 
 
 def _seeded_model(seed: int, make: Callable[[], nn.Module]) -> nn.Module:
@@ -228,6 +254,36 @@ WORKLOADS: dict[str, Workload] = {
             base_lr=0.01,
             target_accuracy=0.98,
             quick_target_accuracy=0.97,
+            budget_s=60.0,
+            smith_every_epochs=3.0,
+        ),
+        Workload(
+            name="digits",
+            description="sklearn digits (1,198 train images x 9 shifts x 3 noisy copies = 32k, 599 test) "
+            "with a 64-256-256-10 MLP; SGD momentum 0.9, lr 0.01 at batch 32",
+            build_data=digits_data,
+            build_model=digits_mlp,
+            base_lr=0.01,
+            target_accuracy=0.965,
+            quick_target_accuracy=0.95,
+            budget_s=30.0,
+            quick_budget_s=15.0,
+            smith_every_epochs=1.25,
+        ),
+        Workload(
+            name="seqsum",
+            description="16-digit sequences, is the first half's sum larger (32k train / 4k test) with a "
+            "2-layer transformer (d_model 32); Adam, lr 0.001 at batch 32, sqrt LR rule",
+            build_data=seqsum_data,
+            build_model=seqsum_transformer,
+            base_lr=0.001,
+            make_optimizer=adam,
+            lr_rule="sqrt",
+            target_accuracy=0.985,
+            quick_target_accuracy=0.97,
+            budget_s=60.0,
+            max_batch_size=2048,  # throughput falls beyond 512; 4096 would only slow the calibration
+            smith_every_epochs=0.5,
         ),
         Workload(
             name="synthetic",
@@ -239,9 +295,19 @@ WORKLOADS: dict[str, Workload] = {
             target_accuracy=0.97,
             quick_target_accuracy=0.95,
             data_seed=0,
+            budget_s=20.0,
+            quick_budget_s=10.0,
+            max_batch_size=1024,
+            in_all=False,
+            smith_every_epochs=0.25,
         ),
     )
 }
+
+
+def all_workloads() -> list[str]:
+    """The workloads of ``--workload all`` (every registered one except the test workload)."""
+    return [w.name for w in WORKLOADS.values() if w.in_all]
 
 
 def get_workload(name: str | Workload) -> Workload:

@@ -1,0 +1,248 @@
+"""From runs to verdicts: per-policy medians, the tuned and best static, the grid's cost, targets (a)(b)(c).
+
+Medians count a run that missed the target as infinitely slow, so a policy's median time is ``None``
+unless more than half of its runs reached the target. Everything here is a pure function of the runs, so
+``batchpilot report results.json`` recomputes it from a hand-edited or partial file.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from typing import Any, Mapping, Sequence
+
+__all__ = ["ACCURACY_SLACK", "evaluate_targets", "finish_results", "grid_search_cost", "summarize"]
+
+ACCURACY_SLACK = 0.003  # target (a): final accuracy no lower than the best static's minus 0.3 points
+ADAPTIVE = ("noise-scale", "goodput", "variance-rule", "threshold-rules")
+DEFAULT_WORKLOAD = "mnist1d"  # target (a) asks 0.9x here, 1.1x elsewhere
+
+
+def _median_or_none(values: list[float]) -> float | None:
+    """Median where ``inf`` marks a run that missed the target; ``None`` if the median is not finite."""
+    if not values:
+        return None
+    m = statistics.median(values)
+    return m if math.isfinite(m) else None
+
+
+def _cell(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the runs of one configuration."""
+
+    def med(key: str) -> float | None:
+        return _median_or_none([math.inf if r.get(key) is None else float(r[key]) for r in rs])
+
+    finals = [r["final_accuracy"] for r in rs if r.get("final_accuracy") is not None]
+    walls = [r["wall_s"] for r in rs if r.get("wall_s") is not None]
+    return {
+        "median_time_to_target_s": med("time_to_target_s"),
+        "median_cost_model_time_to_target_s": med("cost_model_time_to_target_s"),
+        "median_steps_to_target": med("steps_to_target"),
+        "median_samples_to_target": med("samples_to_target"),
+        "median_epochs_to_target": med("epochs_to_target"),
+        "median_final_accuracy": statistics.median(finals) if finals else None,
+        "median_wall_s": statistics.median(walls) if walls else None,
+        "runs": len(rs),
+        "runs_reached": sum(r.get("time_to_target_s") is not None for r in rs),
+        "ratio_vs_best_static": None,
+        "cost_ratio_vs_best_static": None,
+    }
+
+
+def _key(s: Mapping[str, Any], field: str = "median_time_to_target_s") -> tuple[float, float]:
+    """Sort key: median time (missing = inf), then higher final accuracy."""
+    t = s.get(field)
+    return (math.inf if t is None else t, -(s.get("median_final_accuracy") or 0.0))
+
+
+def is_static(name: str) -> bool:
+    return name.startswith(("static:", "tuned-static:"))
+
+
+def category(name: str) -> str:
+    if is_static(name):
+        return "static"
+    kind = re.split(r"[:@]", name, maxsplit=1)[0]
+    if kind in ADAPTIVE:
+        return "adaptive"
+    return "finder" if kind == "finder" else "schedule"
+
+
+def summarize(
+    runs: list[dict[str, Any]],
+    policies: Sequence[str] | None = None,
+    members: Mapping[str, Sequence[str]] | None = None,
+) -> tuple[dict[str, Any], str | None]:
+    """Per-policy medians and ratios; returns ``(summary, best_static_policy)``.
+
+    Args:
+        runs: Run dicts (``policy`` is the run's configuration name).
+        policies: Requested policy names, in order (default: the run names in order of appearance).
+        members: ``{policy: [run names]}`` (default: each policy is its own run name). A policy with
+            several members (``tuned-static:N``: its LR grid) takes the member with the best median time
+            to target (then the best median final accuracy), and records ``chosen``, ``lr`` and ``grid``.
+
+    ``ratio_vs_best_static`` divides by the smallest median time among ``static:*`` and ``tuned-static:*``
+    policies; ``cost_ratio_vs_best_static`` does the same with cost-model times.
+    """
+    names = list(policies) if policies is not None else list(dict.fromkeys(r["policy"] for r in runs))
+    members = members or {}
+    cells = {n: _cell([r for r in runs if r["policy"] == n]) for n in dict.fromkeys(r["policy"] for r in runs)}
+    summary: dict[str, Any] = {}
+    for name in names:
+        group = [m for m in members.get(name, [name]) if m in cells] or [name]
+        if len(group) == 1:
+            summary[name] = dict(cells.get(group[0]) or _cell([]))
+            if group[0] != name:
+                summary[name]["chosen"] = group[0]
+            continue
+        chosen = min(group, key=lambda m: _key(cells[m]))
+        summary[name] = {**cells[chosen], "chosen": chosen,
+                         "grid": {m: cells[m]["median_time_to_target_s"] for m in group}}
+    for name, s in summary.items():
+        first = next((r for r in runs if r["policy"] == s.get("chosen", name)), None)
+        if first is not None and first.get("lr") is not None:
+            s["lr"] = first["lr"]  # the LR of the first step
+    statics = {n: s for n, s in summary.items() if is_static(n) and s["median_time_to_target_s"] is not None}
+    # Ties (tuned-static:N and the static:N it chose are the same runs) go to the tuned name.
+    best = min(statics, key=lambda n: (_key(statics[n]), not n.startswith("tuned-"))) if statics else None
+    cost_statics = [s["median_cost_model_time_to_target_s"] for n, s in summary.items()
+                    if is_static(n) and s.get("median_cost_model_time_to_target_s") is not None]
+    best_cost = min(cost_statics) if cost_statics else None
+    for s in summary.values():
+        if best is not None and statics[best]["median_time_to_target_s"] > 0:
+            t = s["median_time_to_target_s"]
+            s["ratio_vs_best_static"] = None if t is None else t / statics[best]["median_time_to_target_s"]
+        c = s.get("median_cost_model_time_to_target_s")
+        if best_cost and c is not None:
+            s["cost_ratio_vs_best_static"] = c / best_cost
+    return summary, best
+
+
+def grid_search_cost(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the LR-tuned static grid costs: per seed, the sum of training time of every grid run.
+
+    ``median_s`` (the key ``grid_search_total_s`` of results.json) is the median over seeds of that sum:
+    what one grid search with one seed costs a user. ``total_s`` sums over every seed.
+    """
+    per_seed: dict[int, float] = {}
+    per_seed_cost: dict[int, float] = {}
+    cells = set()
+    for r in runs:
+        if r.get("grid"):
+            cells.add(r["policy"])
+            per_seed[r["seed"]] = per_seed.get(r["seed"], 0.0) + float(r["wall_s"])
+            per_seed_cost[r["seed"]] = per_seed_cost.get(r["seed"], 0.0) + float(r.get("cost_model_s") or 0.0)
+    return {
+        "cells": sorted(cells),
+        "per_seed_s": {str(k): v for k, v in sorted(per_seed.items())},
+        "median_s": statistics.median(per_seed.values()) if per_seed else None,
+        "median_cost_model_s": statistics.median(per_seed_cost.values()) if per_seed_cost else None,
+        "total_s": sum(per_seed.values()) if per_seed else None,
+    }
+
+
+def _verdict(ok: bool | None) -> str:
+    return "N/A" if ok is None else ("PASS" if ok else "MISS")
+
+
+def evaluate_targets(summary: Mapping[str, Any], best_static: str | None, grid: Mapping[str, Any],
+                     untuned: str | None, default_workload: bool) -> dict[str, Any]:
+    """Targets (a), (b), (c) of issue 3 for the best adaptive controller (by median time to target).
+
+    (a) ratio to the best static <= 0.9 on the default workload (stretch 0.8), <= 1.1 elsewhere, at a
+    median final accuracy no lower than the best static's minus 0.3 points; (b) >= 2x faster than the
+    untuned default (batch 32 at the base LR); (c) one adaptive run (its median training time) <= 1/5
+    of the grid search's time. Each entry: ``status`` (PASS, MISS, N/A), ``value``, ``threshold``, ``text``.
+    """
+    adaptive = {n: s for n, s in summary.items() if category(n) == "adaptive"}
+    out: dict[str, Any] = {"best_adaptive": None}
+    if not adaptive:
+        na = {"status": "N/A", "value": None, "threshold": None, "text": "no adaptive policy in this run"}
+        return {**out, "a": na, "b": dict(na), "c": dict(na)}
+    name = min(adaptive, key=lambda n: _key(adaptive[n]))
+    s = adaptive[name]
+    out["best_adaptive"] = name
+    t = s["median_time_to_target_s"]
+    limit = 0.9 if default_workload else 1.1
+
+    # (a)
+    bs = summary.get(best_static) if best_static else None
+    ratio = s["ratio_vs_best_static"]
+    if bs is None or t is None:
+        why = "no static policy reached the target" if bs is None else f"{name} missed the target in most runs"
+        a = {"status": "N/A" if bs is None else "MISS", "value": ratio, "threshold": limit, "text": why}
+    else:
+        acc_ok = (s["median_final_accuracy"] or 0.0) >= (bs["median_final_accuracy"] or 0.0) - ACCURACY_SLACK
+        ok = ratio <= limit and acc_ok
+        by = ratio - limit
+        text = (f"{name} {ratio:.2f}x the best static ({best_static}) vs <= {limit:.2f}x: "
+                + ("within by" if by <= 0 else "over by") + f" {abs(by):.2f}x ({abs(by) / limit:.0%})")
+        if default_workload:
+            text += f"; stretch <= 0.80x: {'met' if ratio <= 0.8 else 'not met'}"
+        if not acc_ok:
+            text += (f"; final accuracy {s['median_final_accuracy']:.4f} < best static's "
+                     f"{bs['median_final_accuracy']:.4f} - {ACCURACY_SLACK}")
+        cr = s.get("cost_ratio_vs_best_static")
+        if cr is not None:
+            text += f"; by the cost model {cr:.2f}x"
+        a = {"status": _verdict(ok), "value": ratio, "threshold": limit, "text": text}
+    out["a"] = a
+
+    # (b)
+    u = summary.get(untuned) if untuned else None
+    ut = None if u is None else u["median_time_to_target_s"]
+    if u is None:
+        b = {"status": "N/A", "value": None, "threshold": 2.0, "text": "static:32 (the untuned default) was not run"}
+    elif t is None:
+        b = {"status": "MISS", "value": None, "threshold": 2.0, "text": f"{name} missed the target in most runs"}
+    elif ut is None:
+        b = {"status": "PASS", "value": math.inf, "threshold": 2.0,
+             "text": f"{untuned} missed the target in most runs; {name} reached it ({t:.2f} s)"}
+    else:
+        speed = ut / t
+        b = {"status": _verdict(speed >= 2.0), "value": speed, "threshold": 2.0,
+             "text": f"{name} is {speed:.2f}x faster than {untuned} ({t:.2f} s vs {ut:.2f} s) vs >= 2x: "
+             + ("met" if speed >= 2.0 else f"short by {2.0 - speed:.2f}x")}
+    out["b"] = b
+
+    # (c)
+    g = grid.get("median_s")
+    run_s = s.get("median_wall_s")
+    if not g or run_s is None:
+        c = {"status": "N/A", "value": None, "threshold": 5.0, "text": "no LR grid (tuned-static) in this run"}
+    else:
+        share = g / run_s if run_s > 0 else math.inf
+        c = {"status": _verdict(share >= 5.0 and t is not None), "value": share, "threshold": 5.0,
+             "text": f"one {name} run {run_s:.1f} s vs the grid search {g:.1f} s ({len(grid.get('cells', []))} "
+             f"runs): 1/{share:.1f} of it vs <= 1/5" + ("" if t is not None else "; but it missed the target")}
+    out["c"] = c
+    return out
+
+
+def finish_results(results: dict[str, Any]) -> dict[str, Any]:
+    """(Re)compute ``summary``, ``best_static``, ``grid_search_total_s``, ``untuned_default`` and
+    ``targets`` from ``runs`` (in place; also returns ``results``)."""
+    runs = results["runs"]
+    policies = results.get("config", {}).get("policies") or list(dict.fromkeys(r["policy"] for r in runs))
+    members = results.get("members")
+    summary, best = summarize(runs, policies, members)
+    results["summary"], results["best_static_policy"] = summary, best
+    results["best_static"] = None if best is None else {"policy": best, **summary[best]}
+    grid = grid_search_cost(runs)
+    results["grid_search"] = grid
+    results["grid_search_total_s"] = grid["median_s"]
+    untuned = "static:32" if "static:32" in summary else None
+    default = results.get("workload") == DEFAULT_WORKLOAD
+    targets = evaluate_targets(summary, best, grid, untuned, default)
+    results["targets"] = targets
+    ut = summary[untuned]["median_time_to_target_s"] if untuned else None
+    ba = targets.get("best_adaptive")
+    bt = summary[ba]["median_time_to_target_s"] if ba else None
+    results["untuned_default"] = None if untuned is None else {
+        "policy": untuned, "median_time_to_target_s": ut,
+        "best_adaptive": ba, "speedup_of_best_adaptive": None if not (ut and bt) else ut / bt,
+        "ratio_vs_best_static": summary[untuned]["ratio_vs_best_static"],
+    }
+    return results

@@ -1,0 +1,184 @@
+"""One training run of the benchmark: the clock, the cost model, evaluations and the stopping rule.
+
+:func:`train_one` trains a fresh model under one :class:`~batchpilot.bench.specs.RunSpec` through
+:class:`batchpilot.Pilot` and returns the run's dict for ``results.json`` (the measurement rules are in
+:mod:`batchpilot.bench.runner`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any, Callable
+
+import torch
+from torch.utils.data import TensorDataset
+
+from .calibrate import Calibration
+from .specs import RunSpec
+from .workloads import Workload
+
+__all__ = ["MAX_SKIPPED_STEPS", "STALL_EPOCHS", "STALL_GAIN", "evaluate", "train_one"]
+
+MAX_SKIPPED_STEPS = 5
+STALL_EPOCHS = 5.0
+STALL_GAIN = 0.1
+
+
+def evaluate(model: torch.nn.Module, test: TensorDataset, chunk: int = 4096) -> float:
+    """Top-1 accuracy of ``model`` on ``test`` (in eval mode, without gradients)."""
+    x, y = test.tensors[0], test.tensors[1]
+    was_training = model.training
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for i in range(0, len(y), chunk):
+            correct += int((model(x[i : i + chunk]).argmax(dim=1) == y[i : i + chunk]).sum())
+    model.train(was_training)
+    return correct / len(y)
+
+
+class _Run:
+    """The clock, the cost model, the evaluations and the stopping rule of one run (a step callback)."""
+
+    def __init__(self, model, test, num_samples, target, budget_s, eval_every, on_eval,
+                 calibration: Calibration | None, noise_every: int | None) -> None:
+        self.model, self.test, self.num_samples = model, test, num_samples
+        self.target, self.budget_s = target, budget_s
+        self.eval_samples = max(1, round(eval_every * num_samples))
+        self.next_eval = self.eval_samples
+        self.on_eval = on_eval
+        self.calibration, self.noise_every = calibration, noise_every
+        self.curve: list[dict[str, Any]] = []
+        self.batch_sizes: list[dict[str, Any]] = []
+        self.reached: dict[str, Any] | None = None
+        self.done = False
+        self.diverged = False
+        self.stop_reason = "budget"
+        self.excluded = 0.0  # seconds of evaluation and bookkeeping, not counted as training time
+        self.start = 0.0
+        self.stopped_at: float | None = None
+        self.last = {"step": 0, "samples_seen": 0}
+        self.eval_s = 0.0
+        self.cost_s = 0.0  # cost-model time so far
+        self.noise_scale: float | None = None
+
+    def train_time(self, now: float | None = None) -> float:
+        return (time.perf_counter() if now is None else now) - self.start - self.excluded
+
+    def begin(self, batch_size: int) -> None:
+        self.batch_sizes.append({"step": 0, "samples_seen": 0, "time_s": 0.0, "batch_size": batch_size})
+        self.evaluate(0.0, 0, 0, batch_size)
+        self.start = time.perf_counter()
+
+    def evaluate(self, t: float, step: int, samples: int, batch_size: int) -> float:
+        t0 = time.perf_counter()
+        acc = evaluate(self.model, self.test)
+        self.eval_s += time.perf_counter() - t0
+        point = {"time_s": t, "cost_s": self.cost_s, "step": step, "samples_seen": samples,
+                 "epochs": samples / self.num_samples, "accuracy": acc, "batch_size": batch_size,
+                 "noise_scale": self.noise_scale}
+        self.curve.append(point)
+        if self.reached is None and acc >= self.target:
+            self.reached = point
+        elif point["epochs"] >= STALL_EPOCHS and max(p["accuracy"] for p in self.curve) < \
+                self.curve[0]["accuracy"] + STALL_GAIN:
+            self.stop_reason, self.done = "stalled", True
+        self.on_eval(point, self)
+        return acc
+
+    def __call__(self, pilot: Any, record: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        t = self.train_time(now)
+        step, samples = record["step"], record["samples_seen"]
+        self.last = {"step": step, "samples_seen": samples}
+        if self.calibration is not None:
+            # The engine measured gradient statistics on 0-based step indices divisible by noise_every.
+            probe = self.noise_every is not None and (step - 1) % self.noise_every == 0
+            self.cost_s += self.calibration.step_time(record["batch/global_size"], probe)
+        noise = record.get("stats/noise_scale")
+        if isinstance(noise, (int, float)) and math.isfinite(noise):
+            self.noise_scale = float(noise)
+        # The policy's size for the step just done (record["batch/global_size"] is smaller for the last,
+        # partial batch of an epoch), and the size of the next step (the decision has been made).
+        current, size = self.batch_sizes[-1]["batch_size"], pilot.batch_size
+        if size != current:
+            self.batch_sizes.append({"step": step, "samples_seen": samples, "time_s": t, "batch_size": size})
+        loss = record.get("loss")
+        if (isinstance(loss, float) and not math.isfinite(loss)) or \
+                record.get("train/skipped_steps", 0) >= MAX_SKIPPED_STEPS:
+            self.diverged = self.done = True
+            self.stop_reason = "diverged"
+        if samples >= self.next_eval or self.diverged:
+            self.next_eval = (samples // self.eval_samples + 1) * self.eval_samples
+            self.evaluate(t, step, samples, current)
+            if self.reached is not None:
+                self.done, self.stop_reason = True, "target"
+        if t >= self.budget_s:
+            self.done = True
+        if self.done:
+            self.stopped_at = t
+        self.excluded += time.perf_counter() - now  # bookkeeping and evaluation are not training
+
+
+def train_one(workload: Workload, spec: RunSpec, seed: int, train: TensorDataset, test: TensorDataset, *,
+           target: float, budget_s: float, eval_every: float, on_eval: Callable[[dict[str, Any], _Run], None],
+           calibration: Calibration | None = None, max_steps: int | None = None) -> dict[str, Any]:
+    from ..engine import Pilot
+
+    model = workload.build_model(seed)
+    optimizer = workload.make_optimizer(model.parameters(), spec.optimizer_lr)
+    pilot = Pilot(model, optimizer, train, batch_size=spec.batch_size, controller=spec.make_controller(len(train)),
+                  lr_rule=spec.lr_rule, base_batch_size=spec.base_batch_size, seed=seed, progress=False,
+                  noise_every=spec.noise_every)
+    run = _Run(model, test, len(train), target, budget_s, eval_every, on_eval, calibration, spec.noise_every)
+    pilot.add_callback(run)
+    loss_fn = workload.loss_fn
+    model.train()
+    run.begin(spec.batch_size)
+    # A generous epoch limit: the callback stops the run (target reached, budget spent, diverged).
+    batches = pilot.batches(epochs=1_000_000, max_steps=max_steps)
+    try:
+        for x, y in batches:
+            if run.done:
+                break
+            pilot.backward(loss_fn(model(x), y))
+    finally:
+        batches.close()
+        pilot.close()
+    wall = run.stopped_at if run.stopped_at is not None else run.train_time()
+    if run.curve[-1]["samples_seen"] != run.last["samples_seen"]:  # the run ended between evaluations
+        run.evaluate(wall, run.last["step"], run.last["samples_seen"], run.batch_sizes[-1]["batch_size"])
+    reached = run.reached
+
+    def at_target(key: str) -> Any:
+        return None if reached is None else reached[key]
+
+    return {
+        "policy": spec.name,
+        "seed": seed,
+        "serves": list(spec.policies),
+        "grid": spec.grid,
+        "lr": spec.lr,
+        "lr_rule": spec.lr_rule,
+        "time_to_target_s": at_target("time_s"),
+        "cost_model_time_to_target_s": at_target("cost_s") if calibration is not None else None,
+        "steps_to_target": at_target("step"),
+        "samples_to_target": at_target("samples_seen"),
+        "epochs_to_target": at_target("epochs"),
+        "final_accuracy": run.curve[-1]["accuracy"],
+        "best_accuracy": max(p["accuracy"] for p in run.curve),
+        "wall_s": wall,
+        "cost_model_s": run.cost_s if calibration is not None else None,
+        "eval_s": run.eval_s,
+        "steps": run.last["step"],
+        "samples": run.last["samples_seen"],
+        "samples_per_s": run.last["samples_seen"] / wall if wall > 0 else None,
+        "diverged": run.diverged,
+        "stop_reason": run.stop_reason,
+        # 1-minute load average at the end of the run: a busy machine explains a slow run.
+        "load_avg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "batch_sizes": run.batch_sizes,
+        "curve": run.curve,
+    }

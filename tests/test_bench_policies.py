@@ -1,0 +1,225 @@
+"""Benchmark logic without training: the policy language, run specs, the cost model, summaries, targets."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from batchpilot.bench.calibrate import Calibration, _suffix_min, size_grid
+from batchpilot.bench.policies import NAMED_SETS, NOISE_EVERY, parse_policies, parse_policy
+from batchpilot.bench.specs import Plan, expand
+from batchpilot.bench.summary import category, evaluate_targets, grid_search_cost, summarize
+from batchpilot.controllers import Goodput, NoiseScale, ThresholdRules, VarianceRule
+
+# A plan like mnist1d's: lr 0.01 at 32, linear rule, 48k samples, bounds 32..4096.
+PLAN = Plan(base_lr=0.01, base_batch_size=32, lr_rule="linear", num_samples=48_000, min_size=32, max_size=4096,
+            finder_size=2048)
+
+
+# ------------------------------------------------------------------------------------------ parsing
+def test_new_policy_forms_and_canonical_names():
+    p = parse_policy("static:512@lr=0.1")
+    assert (p.name, p.kind, p.batch_size, p.lr) == ("static:512@lr=0.1", "static", 512, 0.1)
+    assert parse_policy("tuned-static:256").name == "tuned-static:256"
+    smith = parse_policy("ramp-smith")  # the doubling interval comes from the workload (every_epochs 0)
+    assert (smith.name, smith.kind, smith.batch_size, smith.end, smith.every_epochs) == (
+        "ramp-smith", "smith", 512, 4096, 0.0)
+    assert parse_policy("smith:512-4096@2.5").every_epochs == 2.5
+    for name in ("noise-scale", "goodput", "variance-rule", "threshold-rules", "finder"):
+        assert parse_policy(f" {name.upper()} ").name == name
+    assert parse_policy("noise-scale").category == "adaptive"
+    assert parse_policy("tuned-static:64").category == "static"
+    assert parse_policy("ramp").category == "schedule" and parse_policy("finder").category == "finder"
+    g = parse_policy("goodput@lr-rule=adascale")
+    assert (g.name, g.kind, g.lr_rule, g.category) == ("goodput@lr-rule=adascale", "goodput", "adascale", "adaptive")
+
+
+def test_named_sets_and_ranges_expand():
+    names = [p.name for p in parse_policies("default")]
+    assert names == ["static:32", "tuned-static:32", "tuned-static:64", "tuned-static:128", "tuned-static:256",
+                     "tuned-static:512", "tuned-static:1024", "finder", "ramp:32-512", "ramp-smith",
+                     "noise-scale", "goodput", "variance-rule", "threshold-rules", "noise-scale@lr-rule=adascale",
+                     "goodput@lr-rule=adascale"]
+    assert [p.name for p in parse_policies("tuned-static:100-400")] == ["tuned-static:100", "tuned-static:200",
+                                                                         "tuned-static:400"]
+    # A named set may overlap a policy written out: no error, each policy once.
+    assert [p.name for p in parse_policies("adaptive,noise-scale")] == NAMED_SETS["adaptive"].split(",")
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("finder:3", "takes no argument"),
+    ("static:32@foo=1", "the only option of static:N is @lr=X"),
+    ("static:32@lr=0", "learning rate must be > 0"),
+    ("smith:512-4096", "smith:START-END@EPOCHS"),
+    ("tuned-static:x", "'x' is not a whole number"),
+    ("goodput@lr-rule=cubic", "lr-rule 'cubic' is not one of"),
+    ("ramp-smith@lr-rule=sqrt", "smith fixes its LR"),
+])
+def test_bad_new_policies(spec, fragment):
+    with pytest.raises(ValueError) as info:
+        parse_policy(spec)
+    assert fragment in str(info.value) and repr(spec) in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------ run specs
+def test_tuned_static_grid_shares_the_plain_static_run():
+    specs, members = expand(parse_policies("static:32,tuned-static:32,tuned-static:64"), PLAN)
+    by_name = {s.name: s for s in specs}
+    # Rule LR at 32 is 0.01, at 64 it is 0.02 (linear); the grid is x0.5, x1, x2 of it.
+    assert members["tuned-static:32"] == ["static:32@lr=0.005", "static:32", "static:32@lr=0.02"]
+    assert members["tuned-static:64"] == ["static:64@lr=0.01", "static:64", "static:64@lr=0.04"]
+    assert members["static:32"] == ["static:32"]
+    assert len(specs) == 6  # static:32 is trained once, for both policies
+    assert by_name["static:32"].policies == ("static:32", "tuned-static:32") and by_name["static:32"].grid
+    cell = by_name["static:64@lr=0.04"]
+    assert (cell.optimizer_lr, cell.lr_rule, cell.base_batch_size, cell.lr, cell.grid) == (0.04, "none", 64, 0.04, True)
+    plain = by_name["static:64"]
+    assert (plain.optimizer_lr, plain.lr_rule, plain.base_batch_size, plain.lr) == (0.01, "linear", 32, 0.02)
+    assert all(s.make_controller(48_000) is None for s in specs)
+
+
+def test_finder_smith_and_adaptive_specs():
+    specs, members = expand(parse_policies("finder,ramp-smith,ramp,noise-scale,goodput,variance-rule,threshold-rules"),
+                            PLAN)
+    by_name = {s.name: s for s in specs}
+    assert members["finder"] == ["static:2048"] and by_name["static:2048"].lr == pytest.approx(0.64)
+    smith = by_name["ramp-smith"]
+    # Smith et al.: the LR of 512 (0.16) held while the batch doubles every smith_every_epochs = 2 epochs
+    # (96,000 samples).
+    assert (smith.batch_size, smith.optimizer_lr, smith.lr_rule, smith.base_batch_size) == (512, 0.16, "none", 512)
+    ctrl = smith.make_controller(48_000)
+    assert (ctrl.start, ctrl.factor, ctrl.every_samples, ctrl.max_size) == (512, 2, 96_000, 4096)
+    ramp = by_name["ramp:32-512"]
+    assert (ramp.batch_size, ramp.lr_rule, ramp.lr) == (32, "linear", 0.01)
+    expected = {"noise-scale": NoiseScale(min_size=32, max_size=4096), "goodput": Goodput(min_size=32, max_size=4096),
+                "variance-rule": VarianceRule(min_size=32, max_size=4096),
+                "threshold-rules": ThresholdRules(min_size=32, max_size=4096)}
+    for name, reference in expected.items():
+        spec = by_name[name]
+        controller = spec.make_controller(48_000)
+        assert repr(controller) == repr(reference)  # the defaults, only the workload's bounds passed
+        assert spec.batch_size == 32 and spec.noise_every == NOISE_EVERY and spec.lr == 0.01
+    assert by_name["variance-rule"].lr_rule == "linear-then-sqrt"  # VarianceRule.recommended_lr_rule
+    assert by_name["noise-scale"].lr_rule == "linear"
+
+
+def test_sqrt_rule_and_lr_rule_override():
+    plan = Plan(0.001, 32, "sqrt", 32_768, 32, 4096, 256)
+    specs, members = expand(parse_policies("tuned-static:512,goodput@lr-rule=adascale"), plan)
+    by_name = {s.name: s for s in specs}
+    assert by_name["static:512"].lr == pytest.approx(0.004)  # 0.001 * sqrt(16)
+    assert members["tuned-static:512"] == ["static:512@lr=0.002", "static:512", "static:512@lr=0.008"]
+    g = by_name["goodput@lr-rule=adascale"]
+    assert (g.lr_rule, g.lr, g.noise_every) == ("adascale", 0.001, NOISE_EVERY)
+
+
+# ------------------------------------------------------------------------------------------ cost model
+def test_size_grid_and_suffix_min():
+    assert size_grid(32, 1024) == [32, 64, 128, 256, 512, 1024]
+    assert size_grid(32, 100, extra=[16, 48]) == [16, 32, 48, 64, 100]
+    assert _suffix_min([3.0, 1.0, 2.0, 5.0]) == [1.0, 1.0, 2.0, 5.0]
+
+
+def test_step_time_interpolation_and_finder_rule():
+    cal = Calibration(sizes=[32, 64, 128, 256], step_s=[0.010, 0.012, 0.016, 0.034],
+                      probe_step_s=[0.020, 0.022, 0.026, 0.044])
+    assert cal.step_time(64) == 0.012
+    assert cal.step_time(96) == pytest.approx(0.014)  # half-way between 0.012 and 0.016
+    assert cal.step_time(96, probe=True) == pytest.approx(0.024)
+    assert cal.step_time(512) == pytest.approx(0.034 + (0.034 - 0.016) * (512 - 256) / 128)  # last segment
+    assert cal.step_time(16) == pytest.approx(0.009)  # first segment extended, within [t0/2, t0]
+    assert cal.step_time(1) == pytest.approx(0.010 - 0.002 * 31 / 32)
+    steep = Calibration(sizes=[32, 64], step_s=[0.010, 0.030], probe_step_s=[0.010, 0.030])
+    assert steep.step_time(1) == 0.005  # extended below 0: clamped at half the smallest size's time
+    # Throughputs 3200, 5333, 8000, 7529 samples/s: the best is 8000 at 128; 95% of it is 7600, and 256
+    # (7529) falls short, so the smallest size within 5% of the best is 128.
+    assert cal.finder_size() == 128
+    assert cal.finder_size(max_size=64) == 64
+    assert cal.finder_size(tolerance=0.1) == 128  # 7200: 256 is within 10% but 128 is smaller
+    with pytest.raises(ValueError, match="no calibrated batch size"):
+        cal.finder_size(max_size=16)
+
+
+# ------------------------------------------------------------------------------------------ summaries
+def run(policy, seed, t, acc=0.98, wall=None, grid=False, cost=None):
+    return {"policy": policy, "seed": seed, "time_to_target_s": t, "cost_model_time_to_target_s": cost,
+            "steps_to_target": None if t is None else 10, "samples_to_target": None if t is None else 100,
+            "epochs_to_target": None if t is None else 1.0, "final_accuracy": acc,
+            "wall_s": wall if wall is not None else (t if t is not None else 30.0), "grid": grid,
+            "cost_model_s": cost, "batch_sizes": [], "lr": 0.1}
+
+
+def test_tuned_static_picks_the_best_cell_and_counts_the_grid():
+    runs = [run("static:64@lr=0.01", s, t, grid=True) for s, t in ((0, 9.0), (1, 11.0), (2, None))]
+    runs += [run("static:64", s, t, grid=True, cost=t) for s, t in ((0, 6.0), (1, 8.0), (2, 7.0))]
+    runs += [run("static:64@lr=0.04", s, None, acc=0.5, grid=True) for s in (0, 1, 2)]
+    runs += [run("noise-scale", s, t) for s, t in ((0, 5.0), (1, 6.0), (2, 4.0))]
+    members = {"tuned-static:64": ["static:64@lr=0.01", "static:64", "static:64@lr=0.04"],
+               "noise-scale": ["noise-scale"]}
+    summary, best = summarize(runs, ["tuned-static:64", "noise-scale"], members)
+    tuned = summary["tuned-static:64"]
+    assert tuned["chosen"] == "static:64" and tuned["median_time_to_target_s"] == 7.0
+    assert tuned["grid"] == {"static:64@lr=0.01": 11.0, "static:64": 7.0, "static:64@lr=0.04": None}
+    assert best == "tuned-static:64"
+    assert summary["noise-scale"]["ratio_vs_best_static"] == 5.0 / 7.0
+    assert summary["tuned-static:64"]["median_cost_model_time_to_target_s"] == 7.0
+    assert set(summary) == {"tuned-static:64", "noise-scale"}
+    grid = grid_search_cost(runs)
+    # Per seed: 9+6+30 = 45, 11+8+30 = 49, 30+7+30 = 67 seconds of training; the median is 49.
+    assert grid["per_seed_s"] == {"0": 45.0, "1": 49.0, "2": 67.0}
+    assert grid["median_s"] == 49.0 and grid["total_s"] == 161.0 and len(grid["cells"]) == 3
+
+
+def test_category():
+    assert [category(n) for n in ("static:32", "tuned-static:64", "static:64@lr=0.1", "finder", "ramp:32-512",
+                                  "smith:512-4096@2", "goodput", "goodput@lr-rule=adascale")] == [
+        "static", "static", "static", "finder", "schedule", "schedule", "adaptive", "adaptive"]
+
+
+def _summary(adaptive_t, static_t=10.0, untuned_t=30.0, adaptive_acc=0.98, static_acc=0.981, wall=None):
+    runs = [run("static:512", 0, static_t, acc=static_acc), run("static:32", 0, untuned_t),
+            run("noise-scale", 0, adaptive_t, acc=adaptive_acc, wall=wall)]
+    summary, best = summarize(runs)
+    return summary, best
+
+
+def test_targets_pass_with_margins():
+    summary, best = _summary(8.5)
+    t = evaluate_targets(summary, best, {"median_s": 100.0, "cells": ["a"] * 18}, "static:32", default_workload=True)
+    assert t["best_adaptive"] == "noise-scale"
+    assert t["a"]["status"] == "PASS" and t["a"]["value"] == 0.85 and t["a"]["threshold"] == 0.9
+    assert "within by 0.05x" in t["a"]["text"] and "stretch <= 0.80x: not met" in t["a"]["text"]
+    assert t["b"]["status"] == "PASS" and t["b"]["value"] == pytest.approx(30 / 8.5)
+    assert t["c"]["status"] == "PASS" and t["c"]["value"] == pytest.approx(100 / 8.5)
+
+
+def test_targets_miss_and_say_by_how_much():
+    summary, best = _summary(10.5, untuned_t=20.0, wall=25.0)
+    t = evaluate_targets(summary, best, {"median_s": 100.0, "cells": []}, "static:32", default_workload=True)
+    assert t["a"]["status"] == "MISS" and "over by 0.15x (17%)" in t["a"]["text"]
+    assert t["b"]["status"] == "MISS" and "short by 0.10x" in t["b"]["text"]  # 20 / 10.5 = 1.90x
+    assert t["c"]["status"] == "MISS" and t["c"]["value"] == 4.0  # 100 s of grid / 25 s of one run
+    # Elsewhere the limit is 1.1x: the same ratio passes.
+    other = evaluate_targets(summary, best, {}, "static:32", default_workload=False)
+    assert other["a"]["status"] == "PASS" and other["a"]["threshold"] == 1.1
+    assert other["c"]["status"] == "N/A"
+
+
+def test_target_a_needs_the_accuracy_too():
+    summary, best = _summary(5.0, adaptive_acc=0.977, static_acc=0.981)  # 0.4 points lower
+    t = evaluate_targets(summary, best, {}, "static:32", default_workload=True)
+    assert t["a"]["status"] == "MISS" and "final accuracy 0.9770 < best static's 0.9810" in t["a"]["text"]
+    summary, best = _summary(5.0, adaptive_acc=0.978, static_acc=0.981)  # exactly 0.3 points lower
+    assert evaluate_targets(summary, best, {}, "static:32", default_workload=True)["a"]["status"] == "PASS"
+
+
+def test_targets_without_adaptive_or_when_it_misses():
+    summary, best = summarize([run("static:32", 0, 3.0)])
+    t = evaluate_targets(summary, best, {}, "static:32", default_workload=True)
+    assert t["best_adaptive"] is None and {t[k]["status"] for k in "abc"} == {"N/A"}
+    summary, best = _summary(None)
+    t = evaluate_targets(summary, best, {"median_s": 50.0}, "static:32", default_workload=False)
+    assert t["a"]["status"] == "MISS" and "missed the target" in t["a"]["text"]
+    assert t["b"]["status"] == "MISS" and t["c"]["status"] == "MISS"
+    assert math.isfinite(t["c"]["value"])
