@@ -207,7 +207,7 @@ def ns(v: float) -> dict:
 
 
 def test_noise_scale_never_decides_before_the_estimate():
-    ctrl = NoiseScale(interval=50)
+    ctrl = NoiseScale(interval=50, max_change=None, min_measurements=0)
     assert ctrl.decide(obs(50, 64)) == 64
     assert "not measured" in ctrl.reason
     assert ctrl.decide(obs(51, 64, ns(math.nan))) == 64
@@ -218,7 +218,7 @@ def test_noise_scale_never_decides_before_the_estimate():
 
 
 def test_noise_scale_hysteresis():
-    ctrl = NoiseScale(smoothing=0.0, hysteresis=0.2, interval=50)
+    ctrl = NoiseScale(smoothing=0.0, hysteresis=0.2, interval=50, max_change=None, min_measurements=0)
     assert ctrl.decide(obs(50, 100, ns(119.0))) == 100  # 119 <= 100 * 1.2 = 120: inside the band
     assert "hysteresis band" in ctrl.reason
     assert ctrl.decide(obs(100, 100, ns(120.0))) == 100  # 120 is not > 120
@@ -230,14 +230,14 @@ def test_noise_scale_hysteresis():
 
 
 def test_noise_scale_shrink_when_allowed():
-    ctrl = NoiseScale(smoothing=0.0, hysteresis=0.2, interval=10, allow_shrink=True)
+    ctrl = NoiseScale(smoothing=0.0, hysteresis=0.2, interval=10, allow_shrink=True, max_change=None, min_measurements=0)
     assert ctrl.decide(obs(10, 100, ns(84.0))) == 100  # 84 * 1.2 = 100.8 >= 100: inside the band
     assert ctrl.decide(obs(20, 100, ns(83.0))) == 83  # 83 * 1.2 = 99.6 < 100: shrink
     assert ctrl.decide(obs(30, 83, ns(1.0))) == 32  # 1 -> clamped up to min_size 32
 
 
 def test_noise_scale_smoothing_in_log_space_per_step():
-    ctrl = NoiseScale(smoothing=0.5, hysteresis=0.2, interval=10)
+    ctrl = NoiseScale(smoothing=0.5, hysteresis=0.2, interval=10, max_change=None, min_measurements=0)
     ctrl.decide(obs(1, 32, ns(100.0)))  # EMA starts at log 100
     ctrl.decide(obs(2, 32, ns(400.0)))  # 1 step: 0.5 log 100 + 0.5 log 400 = log 200
     assert ctrl.smoothed_noise_scale == pytest.approx(200.0, rel=1e-12)
@@ -250,22 +250,22 @@ def test_noise_scale_smoothing_in_log_space_per_step():
 
 def test_noise_scale_factor_rounding_and_bounds():
     # factor 2: target 2 * 350 = 700.
-    assert NoiseScale(2.0, smoothing=0.0).decide(obs(50, 256, ns(350.0))) == 700
+    assert NoiseScale(2.0, smoothing=0.0, max_change=None, min_measurements=0).decide(obs(50, 256, ns(350.0))) == 700
     # pow2: log2(700) = 9.45 -> 2**9 = 512 > 256.
-    assert NoiseScale(2.0, smoothing=0.0, round_to="pow2").decide(obs(50, 256, ns(350.0))) == 512
+    assert NoiseScale(2.0, smoothing=0.0, round_to="pow2", max_change=None, min_measurements=0).decide(obs(50, 256, ns(350.0))) == 512
     # Multiples of 64: 700 / 64 = 10.94 -> 11 * 64 = 704.
-    assert NoiseScale(2.0, smoothing=0.0, round_to=64).decide(obs(50, 256, ns(350.0))) == 704
+    assert NoiseScale(2.0, smoothing=0.0, round_to=64, max_change=None, min_measurements=0).decide(obs(50, 256, ns(350.0))) == 704
     # 722 > 600 * 1.2 = 720 asks to grow, but log2(722) = 9.496 rounds to 9: 512 < 600, no move.
-    pow2 = NoiseScale(smoothing=0.0, round_to="pow2")
+    pow2 = NoiseScale(smoothing=0.0, round_to="pow2", max_change=None, min_measurements=0)
     assert pow2.decide(obs(50, 600, ns(722.0))) == 600
     assert "no move" in pow2.reason
-    assert NoiseScale(smoothing=0.0).decide(obs(50, 256, ns(1e9))) == 4096  # clamped to max_size
-    assert NoiseScale(10.0, smoothing=0.0).decide(obs(50, 256, ns(1e308))) == 4096  # 1e309 = inf: still 4096
-    assert NoiseScale(smoothing=0.0).decide(obs(50, 8000, ns(100.0))) == 4096  # current above max: clamped
+    assert NoiseScale(smoothing=0.0, max_change=None, min_measurements=0).decide(obs(50, 256, ns(1e9))) == 4096  # clamped to max_size
+    assert NoiseScale(10.0, smoothing=0.0, max_change=None, min_measurements=0).decide(obs(50, 256, ns(1e308))) == 4096  # 1e309 = inf: still 4096
+    assert NoiseScale(smoothing=0.0, max_change=None, min_measurements=0).decide(obs(50, 8000, ns(100.0))) == 4096  # current above max: clamped
 
 
 def test_noise_scale_grows_monotonically_by_default():
-    ctrl = NoiseScale(smoothing=0.8, interval=5)
+    ctrl = NoiseScale(smoothing=0.8, interval=5, max_change=None, min_measurements=0)
     size, sizes = 32, []
     for step in range(1, 400):
         noise = 50.0 * 1.01**step * (1.5 if step % 7 == 0 else 1.0)  # growing, with noisy spikes
@@ -296,7 +296,7 @@ def test_goodput_hand_derived():
     # a = 0.1 s, b = 0.001 s/sample, phi = 100, B0 = 100:
     # goodput(B) = B / (0.1 + 0.001 B) * (100 + 100) / (100 + B) = 200000 B / (100 + B)^2, maximal at B = 100.
     # Candidates 25 * 2**i: 25 -> 320, 50 -> 444.4, 100 -> 500, 200 -> 444.4, 400 -> 320.
-    ctrl = Goodput(25, 400, candidates=5, interval=10, base_size=100)
+    ctrl = Goodput(25, 400, candidates=5, interval=10, base_size=100, max_change=None, min_measurements=0)
     assert ctrl.sizes == [25, 50, 100, 200, 400]
     assert ctrl.decide(goodput_obs(10, 400)) == 100  # 500 / 320 = 1.5625 > 1.05
     assert list(ctrl.last_table) == [25, 50, 100, 200, 400]
@@ -310,14 +310,14 @@ def test_goodput_hand_derived():
 
 def test_goodput_switch_threshold_and_b0_invariance():
     # 500 / 444.4 = 1.125 is not > 1.2: stay at 50.
-    assert Goodput(25, 400, candidates=5, switch_threshold=0.2, interval=10).decide(goodput_obs(10, 50)) == 50
+    assert Goodput(25, 400, candidates=5, switch_threshold=0.2, interval=10, max_change=None, min_measurements=0).decide(goodput_obs(10, 50)) == 50
     # B0 scales every goodput by the same factor: the decision does not depend on it.
     for b0 in (1, 25, 400, 10_000):
-        assert Goodput(25, 400, candidates=5, interval=10, base_size=b0).decide(goodput_obs(10, 400)) == 100
+        assert Goodput(25, 400, candidates=5, interval=10, base_size=b0, max_change=None, min_measurements=0).decide(goodput_obs(10, 400)) == 100
 
 
 def test_goodput_efficiency_is_adascale_gain_over_scale():
-    ctrl = Goodput(base_size=64)
+    ctrl = Goodput(base_size=64, max_change=None, min_measurements=0)
     trace_cov, grad_sq_norm = 3000.0, 4.0  # phi = 750 samples
     for b in (64, 128, 1000, 4096):
         expected = adascale_gain(trace_cov, grad_sq_norm, b, 64) / (b / 64)
@@ -327,31 +327,31 @@ def test_goodput_efficiency_is_adascale_gain_over_scale():
 
 def test_goodput_extremes_follow_the_noise_scale():
     # Huge phi: efficiency ~ 1 everywhere and throughput B / (0.1 + 0.001 B) rises with B -> max_size.
-    assert Goodput(32, 4096).decide(goodput_obs(50, 256, phi=1e12)) == 4096
+    assert Goodput(32, 4096, max_change=None, min_measurements=0).decide(goodput_obs(50, 256, phi=1e12)) == 4096
     # Tiny phi: efficiency ~ (phi + B0) / B falls faster than throughput rises -> min_size.
-    assert Goodput(32, 4096).decide(goodput_obs(50, 256, phi=1e-3)) == 32
+    assert Goodput(32, 4096, max_change=None, min_measurements=0).decide(goodput_obs(50, 256, phi=1e-3)) == 32
 
 
 def test_goodput_micro_batch_limit_and_ranks():
     # phi = 1e12: efficiency ~ 1, goodput ~ throughput. Candidates 50, 100, 200.
     # No micro-batch limit: 50 / 0.15 = 333/s, 100 / 0.2 = 500/s, 200 / 0.3 = 667/s -> 200.
-    assert Goodput(50, 200, candidates=3, interval=1).decide(goodput_obs(1, 50, phi=1e12)) == 200
+    assert Goodput(50, 200, candidates=3, interval=1, max_change=None, min_measurements=0).decide(goodput_obs(1, 50, phi=1e12)) == 200
     # m_max = 100: 200 needs 2 micro-batches of 100: 200 / (2 * 0.2) = 500/s, no better than 100 (500/s);
     # the (tiny) efficiency loss of the larger batch and the tie rule pick 100.
-    limited = Goodput(50, 200, candidates=3, interval=1)
+    limited = Goodput(50, 200, candidates=3, interval=1, max_change=None, min_measurements=0)
     assert limited.sizes == [50, 100, 200]
     assert limited.decide(goodput_obs(1, 50, phi=1e12, **{"perf/max_micro_batch_size": 100})) == 100
     # 2 ranks: 200 is one micro-batch of 100 per rank: 200 / 0.2 = 1000/s vs 100 / 0.15 = 667/s -> 200.
     ranks = {"perf/max_micro_batch_size": 100, "dist/world_size": 2}
-    assert Goodput(50, 200, candidates=3, interval=1).decide(goodput_obs(1, 100, phi=1e12, **ranks)) == 200
+    assert Goodput(50, 200, candidates=3, interval=1, max_change=None, min_measurements=0).decide(goodput_obs(1, 100, phi=1e12, **ranks)) == 200
     # A 1 s step overhead: 50 -> 50 / 1.125 = 44/s, 200 -> 200 / 1.2 = 167/s (W = 2).
-    overhead = Goodput(50, 200, candidates=3, interval=1)
+    overhead = Goodput(50, 200, candidates=3, interval=1, max_change=None, min_measurements=0)
     assert overhead.decide(goodput_obs(1, 50, phi=1e12, **ranks, **{"perf/step_overhead_s": 1.0})) == 200
     assert overhead.last_table[50] == pytest.approx(50 / 1.125, rel=1e-9)
 
 
 def test_goodput_missing_inputs_keep_and_retry():
-    ctrl = Goodput(25, 400, candidates=5, interval=10, base_size=100)
+    ctrl = Goodput(25, 400, candidates=5, interval=10, base_size=100, max_change=None, min_measurements=0)
     assert ctrl.decide(obs(10, 400, PERF)) == 400
     assert "stats/noise_scale not measured" in ctrl.reason
     assert ctrl.decide(obs(11, 400, {"stats/noise_scale": 100.0})) == 400
@@ -385,10 +385,10 @@ ALL = [
     lambda: VarianceRule(base_size=100, sigma_base=0.03, interval=5),
     lambda: ThresholdRules(warmup_epochs=1.5, check_every=3, patience=2),
     lambda: ThresholdRules(util_source="off", plateau_action="shrink", warmup_epochs=0, check_every=2),
-    lambda: NoiseScale(smoothing=0.7, interval=4),
-    lambda: NoiseScale(1.5, 16, 1024, smoothing=0.0, hysteresis=0.0, interval=3, allow_shrink=True, round_to="pow2"),
-    lambda: Goodput(16, 2048, candidates=12, interval=6),
-    lambda: Goodput(base_size=64, interval=9),
+    lambda: NoiseScale(smoothing=0.7, interval=4, max_change=None, min_measurements=0),
+    lambda: NoiseScale(1.5, 16, 1024, smoothing=0.0, hysteresis=0.0, interval=3, allow_shrink=True, round_to="pow2", max_change=None, min_measurements=0),
+    lambda: Goodput(16, 2048, candidates=12, interval=6, max_change=None, min_measurements=0),
+    lambda: Goodput(base_size=64, interval=9, max_change=None, min_measurements=0),
 ]
 
 
@@ -503,3 +503,20 @@ def test_required_stats_name_the_keys_read():
     assert ThresholdRules().required_stats == ("stats/grad_variance", "stats/loss_trend", "system/gpu_util")
     assert ThresholdRules(util_source="gpu-or-cpu").required_stats[2:] == ("system/gpu_util", "system/cpu_util")
     assert ThresholdRules(util_source="off").required_stats == ("stats/grad_variance", "stats/loss_trend")
+
+
+def test_noise_controllers_wait_for_the_estimate_and_change_at_most_twofold():
+    # Early estimates rest on few measured steps; defaults wait for 10 (stats/noise_count).
+    early = {"stats/noise_scale": 5000.0, "stats/noise_count": 3}
+    ctrl = NoiseScale(smoothing=0.0, interval=50)
+    assert ctrl.decide(obs(50, 64, early)) == 64
+    assert "3 of 10 measured steps: warming up" in ctrl.reason
+    # Warmed up: the target 5000 > 64 * 1.2, but one decision at most doubles (max_change=2): 128.
+    ready = {"stats/noise_scale": 5000.0, "stats/noise_count": 10}
+    assert ctrl.decide(obs(100, 64, ready)) == 128
+    assert ctrl.decide(obs(150, 128, ready)) == 256
+    good = Goodput(32, 4096, interval=50)
+    perf = {"perf/micro_time_a_s": 0.1, "perf/micro_time_b_s": 1e-4}
+    assert good.decide(obs(50, 64, {**early, **perf})) == 64 and "warming up" in good.reason
+    # phi = 5000 and a large fixed cost: the best candidate is far above 64, limited to 128 this time.
+    assert good.decide(obs(100, 64, {**ready, **perf})) == 128 and "limited to x2" in good.reason

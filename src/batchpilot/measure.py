@@ -108,6 +108,8 @@ class GradientNoiseProbe:
             out["stats/grad_variance"] = est.trace_cov  # seed 002's sigma_t^2, estimated from micro-batches
         if est.b_simple is not None:
             out["stats/noise_scale"] = est.b_simple
+        if est.count:
+            out["stats/noise_count"] = est.count  # measured steps behind the estimate
         return out
 
     def _grads(self) -> list[torch.Tensor]:

@@ -131,3 +131,25 @@ def optional_int(value: Any) -> int | None:
 def fmt(x: float) -> str:
     """A number for a ``reason`` text: 4 significant digits."""
     return f"{x:.4g}"
+
+
+NOISE_COUNT_KEY = "stats/noise_count"
+
+
+def warming_up(obs: Observation, min_measurements: int) -> str | None:
+    """A reason to wait when the noise-scale estimate rests on fewer than ``min_measurements`` measured
+    steps (early estimates are dominated by noise and can be orders of magnitude off), else ``None``."""
+    count = read_stat(obs, NOISE_COUNT_KEY)
+    if count is not None and count < min_measurements:
+        return f"noise scale from {int(count)} of {min_measurements} measured steps: warming up"
+    return None
+
+
+def limit_step(current: int, new: int, max_change: float | None) -> int:
+    """Limit one decision to a factor ``max_change`` up or down from ``current``: the LR coupled to the
+    batch size then changes gradually too (a linear LR rule would otherwise jump by the same factor)."""
+    if max_change is None:
+        return new
+    hi = max(current + 1, math.floor(current * max_change))
+    lo = min(current - 1, math.ceil(current / max_change))
+    return max(min(new, hi), lo, 1)

@@ -13,9 +13,11 @@ from ._adaptive import (
     check_state,
     clamp,
     fmt,
+    limit_step,
     optional_int,
     read_stat,
     round_half_up,
+    warming_up,
 )
 from .base import Observation
 
@@ -101,6 +103,8 @@ class Goodput:
         switch_threshold: float = 0.05,
         interval: int = 50,
         base_size: int | None = None,
+        max_change: float | None = 2.0,
+        min_measurements: int = 10,
     ) -> None:
         self.min_size, self.max_size = check_size_bounds(min_size, max_size)
         self.candidates = check_positive_int(candidates, "candidates", minimum=2)
@@ -111,6 +115,10 @@ class Goodput:
         self.interval = check_interval(interval)
         self.base_size = None if base_size is None else check_batch_size(base_size, "base_size")
         self.sizes = _geometric(self.min_size, self.max_size, self.candidates)
+        self.max_change = None if max_change is None else check_real(
+            max_change, "max_change", low=1.0, hint=" 2.0 = at most double or halve per decision; None = no limit."
+        )
+        self.min_measurements = check_positive_int(min_measurements, "min_measurements", minimum=0)
         self.name = "Goodput"
         self.reason = "no decision yet"
         self.last_table: dict[int, float] = {}
@@ -136,6 +144,10 @@ class Goodput:
                 what = f"{NOISE_SCALE_KEY} " + ("not measured yet" if noise is None else f"not positive ({fmt(noise)})")
             self.reason = f"{what}; kept {current}"
             return current
+        waiting = warming_up(obs, self.min_measurements)
+        if waiting is not None:
+            self.reason = f"{waiting}; kept {current}"
+            return current
         period = obs.step // self.interval
         if period <= self._period:
             self.reason = f"next decision at step {(self._period + 1) * self.interval}; kept {current}"
@@ -156,8 +168,10 @@ class Goodput:
             f"({fmt(table[size])}): x{gain:.3f}"
         )
         if best != size and table[best] > (1.0 + self.switch_threshold) * table[size]:
-            self.reason = f"{prefix} > 1 + {fmt(self.switch_threshold)} -> {best}"
-            return best
+            new = limit_step(size, best, self.max_change)
+            limited = "" if new == best else f", limited to x{fmt(self.max_change)} per decision"
+            self.reason = f"{prefix} > 1 + {fmt(self.switch_threshold)} -> {new}{limited}"
+            return new
         self.reason = f"{prefix} <= 1 + {fmt(self.switch_threshold)}; kept {size}"
         return size
 

@@ -14,10 +14,12 @@ from ._adaptive import (
     check_state,
     clamp,
     fmt,
+    limit_step,
     optional_float,
     optional_int,
     read_stat,
     round_half_up,
+    warming_up,
 )
 from .base import Observation
 
@@ -83,6 +85,8 @@ class NoiseScale:
         interval: int = 50,
         allow_shrink: bool = False,
         round_to: int | str | None = None,
+        max_change: float | None = 2.0,
+        min_measurements: int = 10,
     ) -> None:
         self.factor = check_real(factor, "factor", low=0.0, hint=" Use 1.0 to track B_simple itself.")
         self.min_size, self.max_size = check_size_bounds(min_size, max_size)
@@ -99,6 +103,10 @@ class NoiseScale:
             raise TypeError(f"allow_shrink must be True or False, got {allow_shrink!r}.")
         self.allow_shrink = allow_shrink
         self.round_to = _check_round_to(round_to, self.max_size)
+        self.max_change = None if max_change is None else check_real(
+            max_change, "max_change", low=1.0, hint=" 2.0 = at most double or halve per decision; None = no limit."
+        )
+        self.min_measurements = check_positive_int(min_measurements, "min_measurements", minimum=0)
         self.name = "NoiseScale"
         self.reason = "no decision yet"
         self._log_ema: float | None = None  # EMA of log(B_simple)
@@ -120,6 +128,10 @@ class NoiseScale:
             return current
         self._update(obs.step, math.log(noise))
         assert self._log_ema is not None
+        waiting = warming_up(obs, self.min_measurements)
+        if waiting is not None:
+            self.reason = f"{waiting}; kept {current}"
+            return current
         period = obs.step // self.interval
         if period <= self._period:
             self.reason = (
@@ -142,6 +154,7 @@ class NoiseScale:
             why = "within the hysteresis band" if target * band >= size else "below, and allow_shrink=False"
             self.reason = f"{prefix} {why} of {size}; kept {size}"
             return size
+        new = limit_step(size, new, self.max_change)
         if not moved:
             self.reason = f"{prefix}: rounding/bounds give {new}, no move from {size}; kept {size}"
             return size

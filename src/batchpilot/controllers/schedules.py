@@ -14,7 +14,12 @@ import numbers
 from bisect import bisect_right
 from typing import Any, Callable, Mapping, Sequence
 
-from .._validation import check_batch_size, check_bounds, check_choice, check_positive_int
+from .._validation import (
+    check_batch_size,
+    check_bounds,
+    check_choice,
+    check_positive_int,
+)
 from .base import Observation
 
 __all__ = [
