@@ -558,6 +558,7 @@ class Pilot:
                 "old_size": current,
                 "new_size": new,
                 "controller": source,
+                "reason": getattr(self.controller, "reason", None) if source != "user" else None,
                 "note": note,
                 "inputs": {k: record[k] for k in ("loss", "perf/samples_per_s", "epoch", "coverage", "grad/norm")},
             }
