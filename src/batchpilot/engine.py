@@ -702,7 +702,8 @@ class Pilot:
         return path
 
     def close(self) -> None:
-        """Flush and close the log and TensorBoard writer."""
+        """Flush and close the log and TensorBoard writer, and stop the loader's worker processes."""
+        self.loader.close()
         if self._log is not None:
             self._log.close()
         if self._tb is not None:

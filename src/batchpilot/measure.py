@@ -126,6 +126,8 @@ class GradientNoiseProbe:
 class StepMeter:
     """Loss trend, the online throughput model and (optionally) system load, updated once per step.
 
+    The metrics are refreshed every 10 steps (and on the first); in between the last values are reported.
+
     Args:
         loss_window: Steps in the loss-trend window (:class:`~batchpilot.stats.LossTrend`).
         system_every: Sample CPU/GPU load every N steps (``None``: never; needs psutil).
@@ -143,6 +145,8 @@ class StepMeter:
             except ImportError:
                 self.monitor = None  # psutil is optional: no system metrics without it
         self._system: dict[str, float] = {}
+        self._metrics: dict[str, float] = {}
+        self.refresh_every = 10 if system_every is None else math.gcd(10, system_every)
         self._micro_sizes: list[int] = []
         self._micro_seconds: list[float] = []
 
@@ -159,9 +163,13 @@ class StepMeter:
             self.throughput.observe_step(self._micro_sizes, self._micro_seconds, max(step_seconds, sum(self._micro_seconds)))
         self._micro_sizes.clear()
         self._micro_seconds.clear()
-        if self.monitor is not None and self.system_every and step % self.system_every == 0:
-            self._system = self.monitor.sample()
-        return {**self.trend.metrics(), **self.throughput.metrics(), **self._system}
+        if step % self.refresh_every == 0 or not self._metrics:
+            # Refitting the throughput model and the trend costs tens of microseconds: every few steps is
+            # plenty for controllers that act every tens of steps, and keeps the step loop cheap.
+            if self.monitor is not None and self.system_every and step % self.system_every == 0:
+                self._system = self.monitor.sample()
+            self._metrics = {**self.trend.metrics(), **self.throughput.metrics(), **self._system}
+        return self._metrics
 
     def state_dict(self) -> dict[str, Any]:
         return {"trend": self.trend.state_dict(), "throughput": self.throughput.state_dict()}

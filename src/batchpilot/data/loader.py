@@ -441,3 +441,18 @@ class AdaptiveDataLoader:
         self._exhausted = False
         if self._torch_loader is not None and self._iterator is not None:
             self._iterator = iter(self._wrapped)
+
+    def close(self) -> None:
+        """Stop the worker processes now; the position is kept and the next ``for`` loop starts new ones.
+
+        Without it, persistent workers stop when the loader is garbage-collected. The loader is part of a
+        reference cycle (its DataLoader's batch sampler points back to it), so that happens in a cyclic
+        garbage collection, after multiprocessing has already closed the workers' queues; each worker then
+        stops only at torch's join timeout (about 5 s per worker).
+        """
+        if self._planned:
+            self._rewind()  # forget what was prefetched: the next loop plans it again
+        self._iterator = None
+        for loader in (self._torch_loader, getattr(self._wrapped, "base_dataloader", None)):
+            if loader is not None and getattr(loader, "_iterator", None) is not None:
+                loader._iterator = None  # its last reference: torch shuts the workers down cleanly

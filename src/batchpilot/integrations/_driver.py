@@ -8,16 +8,24 @@ so all ranks cut the same global batches. The driver never touches data or model
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from .. import distributed as bpdist
-from .._validation import check_batch_size, check_bounds, check_choice, check_positive_int
+from .._validation import (
+    check_batch_size,
+    check_bounds,
+    check_choice,
+    check_positive_int,
+)
 from ..controllers.base import Controller, Observation, validate_decision
 from ..controllers.schedules import Schedule
 
 _FORMAT = "batchpilot.integrations.SizeDriver"
+logger = logging.getLogger("batchpilot")
 
 
 def as_controller(value: Any) -> Controller | None:
@@ -102,6 +110,8 @@ class SizeDriver:
         self.losses: collections.deque[float] = collections.deque(maxlen=loss_history)
         self.samples_per_s: float | None = None
         self.last_decision: dict[str, Any] | None = None
+        self.min_useful = 1  # world size x micro-batches per step: smaller sizes leave micro-batches empty
+        self._warned_small = False
         self._clock: float | None = None
 
     # ------------------------------------------------------------------ counters
@@ -161,6 +171,13 @@ class SizeDriver:
         new = bpdist.broadcast_int(new)
         if new < 1:
             raise RuntimeError("rank 0's batch size controller failed (see rank 0's error); stopping this rank too.")
+        if new < self.min_useful and not self._warned_small:
+            self._warned_small = True
+            logger.warning(
+                "batch size %d is smaller than the %d micro-batches of a step (world size x accumulation): some "
+                "micro-batches carry no sample of their own and run at weight 0; min_batch_size=%d avoids that.",
+                new, self.min_useful, self.min_useful,
+            )
         if new != current or note is not None:
             self.last_decision = {
                 "step": self.step, "samples_seen": self.samples_seen, "old_size": current, "new_size": new, "note": note,

@@ -3,20 +3,20 @@
 - :class:`TrainLoader`: what ``Trainer`` iterates (one epoch of micro-batches per ``iter``), with a length
   that bounds the batches of an epoch from above, so that no loop built on ``len()`` ends an epoch early.
 - :class:`SampleLambdaLR`: a ``LambdaLR`` whose clock is ``samples_seen``, not the number of ``step()`` calls.
-- :class:`SampleProgressCallback`: the training progress bar counted in samples.
 - :func:`write_state` / :func:`read_state`: batchpilot's part of a checkpoint folder.
+- :func:`check_arguments`: the Trainer settings the adaptive loop cannot honour.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
-from tqdm.auto import tqdm
-from transformers.trainer_callback import ProgressCallback
 
 from ..data.loader import AdaptiveDataLoader, MicroBatch
 
@@ -62,54 +62,20 @@ class SampleLambdaLR(torch.optim.lr_scheduler.LambdaLR):
         self._clock = clock
         super().__init__(optimizer, lr_lambdas)
 
-    def step(self, epoch: int | None = None) -> None:  # noqa: D102 - see the class docstring
+    def step(self, epoch: int | None = None) -> None:
         if epoch is None:
             self.last_epoch = int(self._clock()) - 1  # LRScheduler.step() adds 1
         super().step()
 
-    def state_dict(self) -> dict[str, Any]:  # noqa: D102 - LambdaLR's, without the clock (a bound method)
+    def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state.pop("_clock", None)
         return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # noqa: D102 - keeps this run's clock
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         clock = self._clock
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "_clock"})
         self._clock = clock
-
-
-class SampleProgressCallback(ProgressCallback):
-    """The training bar counts samples towards ``num_train_epochs * len(train_dataset)``.
-
-    Steps have no fixed size, so a bar in steps has no honest total; samples do. Evaluation bars and log
-    printing are the parent's.
-    """
-
-    def __init__(self, run_getter: Callable[[], Any]) -> None:
-        super().__init__()
-        self._run = run_getter
-        self._seen = 0
-
-    def on_train_begin(self, args, state, control, **kwargs):  # noqa: D102
-        run = self._run()
-        if run is None or run.total_samples is None:  # max_steps is set: the step count is exact
-            return super().on_train_begin(args, state, control, **kwargs)
-        self._seen = run.samples_seen
-        self.current_step = state.global_step
-        if state.is_world_process_zero:
-            self.training_bar = tqdm(
-                total=run.total_samples, initial=self._seen, unit="samples", unit_scale=True, dynamic_ncols=True
-            )
-
-    def on_step_end(self, args, state, control, **kwargs):  # noqa: D102
-        run = self._run()
-        if run is None or run.total_samples is None:
-            return super().on_step_end(args, state, control, **kwargs)
-        if state.is_world_process_zero and self.training_bar is not None:
-            self.training_bar.update(run.samples_seen - self._seen)
-            self.training_bar.set_postfix(step=state.global_step, batch_size=run.batch_size, refresh=False)
-        self._seen = run.samples_seen
-        self.current_step = state.global_step
 
 
 def write_state(folder: str | os.PathLike, state: dict[str, Any]) -> Path:
@@ -146,3 +112,52 @@ def read_state(folder: str | os.PathLike) -> dict[str, Any]:
             f"(format={payload.get('format')!r}, version={payload.get('version')!r})."
         )
     return payload
+
+
+def is_hf_dataset(dataset: Any) -> bool:
+    """Whether ``dataset`` is a ``datasets.Dataset`` (without importing ``datasets``)."""
+    datasets = sys.modules.get("datasets")
+    return datasets is not None and isinstance(dataset, datasets.Dataset)
+
+
+def mask_labels(data: Any) -> Any:
+    """A ghost micro-batch with ``labels`` set to -100 (ignored), so it adds no items and no loss."""
+    if isinstance(data, dict) and isinstance(data.get("labels"), torch.Tensor) and not data["labels"].is_floating_point():
+        return {**data, "labels": torch.full_like(data["labels"], -100)}
+    return data
+
+
+def check_arguments(trainer: Any) -> None:
+    """Reject Trainer settings the adaptive loop cannot honour, all at once."""
+    args = trainer.args
+    problems = []
+    if args.auto_find_batch_size:
+        problems.append(
+            "auto_find_batch_size=True restarts training with 0.9x the batch; the size is the scheduler's job "
+            "here: bound it with max_batch_size= and raise gradient_accumulation_steps to fit memory."
+        )
+    strategy = getattr(args, "train_sampling_strategy", "random")  # transformers >= 5.x
+    if strategy not in ("random", "sequential"):
+        problems.append(
+            f"train_sampling_strategy={strategy!r} builds its own batches; use 'random' or 'sequential'."
+        )
+    if getattr(args, "group_by_length", False):  # earlier 5.x releases
+        problems.append("group_by_length=True builds its own batches (train_sampling_strategy); set it to False.")
+    config = args.accelerator_config
+    if getattr(config, "split_batches", False):
+        problems.append("accelerator_config.split_batches=True needs a fixed batch size; set it to False.")
+    if getattr(config, "dispatch_batches", None):
+        problems.append("accelerator_config.dispatch_batches=True cannot split changing batch sizes; set it to False.")
+    parallel = trainer.get_tp_size() * trainer.get_cp_size() * trainer.get_sp_size()
+    if parallel > 1:
+        problems.append(f"tensor/context/sequence parallelism (size {parallel}) is not supported; use data parallelism.")
+    if args.max_steps <= 0:
+        for name in ("logging", "eval", "save"):
+            value = getattr(args, f"{name}_steps", None)
+            if isinstance(value, float) and 0 < value < 1:
+                problems.append(
+                    f"{name}_steps={value} is a fraction of the total number of steps, which is unknown while the "
+                    f"batch size changes; pass a whole number of steps (or set max_steps)."
+                )
+    if problems:
+        raise ValueError("AdaptiveBatchSizeTrainer cannot honour these TrainingArguments:\n  - " + "\n  - ".join(problems))

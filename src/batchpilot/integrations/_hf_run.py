@@ -6,8 +6,9 @@ coupling together, keeps the step in flight, and is what ``trainer.batchpilot`` 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -74,6 +75,7 @@ class HFRun:
         self.inflight: StepRecord | None = None
         self.last_step: StepRecord | None = None
         self.last_loss: float | None = None
+        self.step_lr_factor = 1.0  # the LR coupling factor the last optimizer step ran with
         self._loss: torch.Tensor | float = 0.0
 
     # ------------------------------------------------------------------ progress (read by logs and users)
@@ -174,6 +176,7 @@ class HFRun:
     def unscale_lr(self) -> None:
         """Give the LR schedulers the schedule's own LR back (after the optimizer step)."""
         if self.coupling is not None and self.coupling.is_scaled:
+            self.step_lr_factor = self.coupling.factor
             self.coupling.unscale()
 
     # ------------------------------------------------------------------ state

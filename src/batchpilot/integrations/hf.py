@@ -33,32 +33,43 @@ How it fits the Trainer (transformers 5.x, accelerate 1.x):
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ._require import require
 
 transformers = require("transformers", "hf", what="batchpilot.integrations.hf")
 require("accelerate", "hf", what="batchpilot.integrations.hf")
 
-import torch  # noqa: E402
-from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher  # noqa: E402
-from transformers import Trainer, TrainerCallback  # noqa: E402
-from transformers.optimization import get_scheduler  # noqa: E402
-from transformers.trainer_callback import ProgressCallback  # noqa: E402
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker  # noqa: E402
+import torch
+from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher
+from transformers import Trainer
+from transformers.optimization import get_scheduler
+from transformers.trainer_callback import ProgressCallback
+from transformers.trainer_utils import (
+    PREFIX_CHECKPOINT_DIR,
+    get_last_checkpoint,
+    seed_worker,
+)
 
-from ..data.loader import AdaptiveDataLoader  # noqa: E402
-from ._driver import SizeDriver  # noqa: E402
-from ._hf_parts import SampleLambdaLR, SampleProgressCallback, TrainLoader, read_state, write_state  # noqa: E402
-from ._hf_run import HFRun, StepRecord  # noqa: E402
+from ..data.loader import AdaptiveDataLoader
+from ._driver import SizeDriver
+from ._hf_callbacks import BatchpilotCallback, SampleProgressCallback
+from ._hf_parts import (
+    SampleLambdaLR,
+    TrainLoader,
+    check_arguments,
+    is_hf_dataset,
+    mask_labels,
+    read_state,
+    write_state,
+)
+from ._hf_run import HFRun, StepRecord
 
 __all__ = ["AdaptiveBatchSizeTrainer", "HFRun", "StepRecord"]
-
-logger = logging.getLogger("batchpilot")
 
 
 class AdaptiveBatchSizeTrainer(Trainer):
@@ -101,7 +112,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        _check_arguments(self)
+        check_arguments(self)
         self.args.ignore_data_skip = True  # the sampler restores the position; Trainer's batch skipping cannot
         self._bp_options = dict(
             controller=batch_size_scheduler, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
@@ -117,7 +128,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
         self._bp_divisors: list[float] = []
         self._bp_grad_norm: float | None = None
         self._bp_seen_at_start = 0
-        self.add_callback(_BatchpilotCallback(self))
+        self.add_callback(BatchpilotCallback(self))
         if self.pop_callback(ProgressCallback) is not None:
             self.add_callback(SampleProgressCallback(lambda: self.batchpilot))
 
@@ -162,7 +173,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
                 "global batches from a map-style dataset (with __len__ and __getitem__). Materialise it first."
             )
         collator = self.data_collator
-        if _is_hf_dataset(dataset):
+        if is_hf_dataset(dataset):
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
@@ -171,8 +182,9 @@ class AdaptiveBatchSizeTrainer(Trainer):
         extra: dict[str, Any] = {"in_order": True}  # micro-batches must arrive in the order they were planned
         if workers > 0:
             extra["worker_init_fn"] = functools.partial(seed_worker, num_workers=workers, rank=args.process_index)
-            if args.dataloader_multiprocessing_context is not None:
-                extra["multiprocessing_context"] = args.dataloader_multiprocessing_context
+            context = getattr(args, "dataloader_multiprocessing_context", None)  # transformers >= 5.x
+            if context is not None:
+                extra["multiprocessing_context"] = context
         loader = AdaptiveDataLoader(
             dataset,
             self.initial_batch_size,
@@ -199,6 +211,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
             lr_rule=self._bp_lr[0],
             lr_knee=self._bp_lr[1],
         )
+        run.driver.min_useful = self.data_parallel_size * args.gradient_accumulation_steps
         if self._bp_resume is not None:
             run.load_state_dict(read_state(self._bp_resume))
         self.batchpilot = run
@@ -206,7 +219,14 @@ class AdaptiveBatchSizeTrainer(Trainer):
 
     def _prepare_train_loader(self, dataloader: torch.utils.data.DataLoader) -> Any:
         """``accelerator.prepare`` (device placement, look-ahead), with the rank sharding made a pass-through."""
-        prepared = self.accelerator.prepare(dataloader)
+        even = self.accelerator.even_batches
+        # Our sampler already gives every rank the same number of batches; accelerate < 1.14 refuses a batch
+        # sampler without a fixed batch_size under even_batches=True, so prepare this loader without it.
+        self.accelerator.even_batches = False
+        try:
+            prepared = self.accelerator.prepare(dataloader)
+        finally:
+            self.accelerator.even_batches = even
         if isinstance(prepared, DataLoaderDispatcher):
             raise ValueError(
                 "accelerate dispatches batches from rank 0 (dispatch_batches=True), which cannot split batches of "
@@ -290,13 +310,14 @@ class AdaptiveBatchSizeTrainer(Trainer):
         if not self._loss_owns_scaling():
             return data, None  # the divisors weight each micro-batch (training_step)
         # A user loss normalised by num_items_in_batch: count items, with ghost micro-batches masked out.
-        data = [_mask_labels(d) if m.ghost else d for d, m in zip(data, micro)]
+        data = [mask_labels(d) if m.ghost else d for d, m in zip(data, micro)]
         return data, self._get_num_items_in_batch(data, device)
 
     def _loss_owns_scaling(self) -> bool:
-        if self.loss_is_scaled_for_ga is not None:
-            return bool(self.loss_is_scaled_for_ga)
-        return self.compute_loss_func is not None
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)  # transformers >= 5.x added this switch
+        if scaled is not None:
+            return bool(scaled)
+        return getattr(self, "compute_loss_func", None) is not None
 
     def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
         """``Trainer.training_step``, with the micro-batch weighted by its share of the global batch."""
@@ -324,7 +345,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
             logs["batch_size"] = run.last_step.global_size if run.last_step is not None else run.batch_size
             logs["samples_seen"] = run.samples_seen
             if run.coupling is not None:
-                logs["lr_factor"] = run.coupling.factor
+                logs["lr_factor"] = run.step_lr_factor  # of the last step (logged learning_rate is unscaled)
         if run is not None and "train_runtime" in logs and logs["train_runtime"] > 0:
             seen = run.samples_seen - self._bp_seen_at_start
             logs["train_samples_per_second"] = round(seen / logs["train_runtime"], 3)
@@ -336,97 +357,3 @@ class AdaptiveBatchSizeTrainer(Trainer):
             folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             write_state(folder, self.batchpilot.state_dict())
         super()._save_checkpoint(model, trial)
-
-
-class _BatchpilotCallback(TrainerCallback):
-    """Runs batchpilot's part of each step at the right moment of Trainer's loop."""
-
-    def __init__(self, trainer: AdaptiveBatchSizeTrainer) -> None:
-        self.trainer = trainer
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        trainer, run = self.trainer, self.trainer.batchpilot
-        if run is None:
-            return
-        if run.driver.step != state.global_step:
-            logger.warning(
-                "batchpilot state says %d steps but the Trainer state says %d; continuing from the data position",
-                run.driver.step, state.global_step,
-            )
-        run.start_coupling(trainer.optimizer)
-        trainer._bp_seen_at_start = run.samples_seen
-        state.epoch = run.virtual_epoch
-        run.driver.start_clock()
-
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        run = self.trainer.batchpilot
-        if run is not None:
-            run.unscale_lr()  # the LR scheduler steps on the schedule's own LR
-
-    def on_step_end(self, args, state, control, **kwargs):
-        trainer, run = self.trainer, self.trainer.batchpilot
-        if run is None:
-            return
-        run.end_step()
-        state.epoch = run.virtual_epoch  # logged as `epoch`: passes over the data by samples (seed 003)
-        stats = {} if trainer._bp_grad_norm is None else {"grad/norm": trainer._bp_grad_norm}
-        run.decide(stats)
-        if run.total_samples is not None and run.samples_seen >= run.total_samples and not control.should_training_stop:
-            # num_train_epochs reached: stop as Trainer does at max_steps (final save/eval on a steps strategy).
-            control.should_training_stop = True
-            if args.save_strategy == "steps":
-                control.should_save = True
-            if args.eval_strategy == "steps" and state.global_step % state.eval_steps != 0:
-                control.should_evaluate = True
-
-    def on_evaluate(self, args, state, control, **kwargs):
-        if self.trainer.batchpilot is not None:
-            self.trainer.batchpilot.driver.start_clock()  # evaluation time is not training throughput
-
-    on_save = on_evaluate
-
-
-def _is_hf_dataset(dataset: Any) -> bool:
-    datasets = sys.modules.get("datasets")
-    return datasets is not None and isinstance(dataset, datasets.Dataset)
-
-
-def _mask_labels(data: Any) -> Any:
-    """A ghost micro-batch with ``labels`` set to -100 (ignored), so it adds no items and no loss."""
-    if isinstance(data, dict) and isinstance(data.get("labels"), torch.Tensor) and not data["labels"].is_floating_point():
-        return {**data, "labels": torch.full_like(data["labels"], -100)}
-    return data
-
-
-def _check_arguments(trainer: Trainer) -> None:
-    """Reject Trainer settings the adaptive loop cannot honour, all at once."""
-    args = trainer.args
-    problems = []
-    if args.auto_find_batch_size:
-        problems.append(
-            "auto_find_batch_size=True restarts training with 0.9x the batch; the size is the scheduler's job "
-            "here: bound it with max_batch_size= and raise gradient_accumulation_steps to fit memory."
-        )
-    strategy = getattr(args, "train_sampling_strategy", "random")
-    if strategy not in ("random", "sequential") or getattr(args, "group_by_length", False):
-        problems.append(
-            f"train_sampling_strategy={strategy!r} builds its own batches; use 'random' or 'sequential'."
-        )
-    config = args.accelerator_config
-    if getattr(config, "split_batches", False):
-        problems.append("accelerator_config.split_batches=True needs a fixed batch size; set it to False.")
-    if getattr(config, "dispatch_batches", None):
-        problems.append("accelerator_config.dispatch_batches=True cannot split changing batch sizes; set it to False.")
-    parallel = trainer.get_tp_size() * trainer.get_cp_size() * trainer.get_sp_size()
-    if parallel > 1:
-        problems.append(f"tensor/context/sequence parallelism (size {parallel}) is not supported; use data parallelism.")
-    if args.max_steps <= 0:
-        for name in ("logging", "eval", "save"):
-            value = getattr(args, f"{name}_steps", None)
-            if isinstance(value, float) and 0 < value < 1:
-                problems.append(
-                    f"{name}_steps={value} is a fraction of the total number of steps, which is unknown while the "
-                    f"batch size changes; pass a whole number of steps (or set max_steps)."
-                )
-    if problems:
-        raise ValueError("AdaptiveBatchSizeTrainer cannot honour these TrainingArguments:\n  - " + "\n  - ".join(problems))

@@ -1,0 +1,105 @@
+"""The Trainer callbacks of the Hugging Face integration.
+
+- :class:`BatchpilotCallback`: batchpilot's part of each step, at the right moment of Trainer's loop:
+  LR coupling around the scheduler, counting the step, the decision (rank 0, broadcast), the stop after
+  ``num_train_epochs`` passes, and stopping the dataloader workers at the end.
+- :class:`SampleProgressCallback`: the training progress bar counted in samples.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from tqdm.auto import tqdm
+from transformers import TrainerCallback
+from transformers.trainer_callback import ProgressCallback
+
+logger = logging.getLogger("batchpilot")
+
+
+class BatchpilotCallback(TrainerCallback):
+    """Runs batchpilot's part of each step at the right moment of Trainer's loop."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer, run = self.trainer, self.trainer.batchpilot
+        if run is None:
+            return
+        if run.driver.step != state.global_step:
+            logger.warning(
+                "batchpilot state says %d steps but the Trainer state says %d; continuing from the data position",
+                run.driver.step, state.global_step,
+            )
+        run.start_coupling(trainer.optimizer)
+        trainer._bp_seen_at_start = run.samples_seen
+        state.epoch = run.virtual_epoch
+        run.driver.start_clock()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        run = self.trainer.batchpilot
+        if run is not None:
+            run.unscale_lr()  # the LR scheduler steps on the schedule's own LR
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer, run = self.trainer, self.trainer.batchpilot
+        if run is None:
+            return
+        run.end_step()
+        state.epoch = run.virtual_epoch  # logged as `epoch`: passes over the data by samples (seed 003)
+        stats = {} if trainer._bp_grad_norm is None else {"grad/norm": trainer._bp_grad_norm}
+        run.decide(stats)
+        if run.total_samples is not None and run.samples_seen >= run.total_samples and not control.should_training_stop:
+            # num_train_epochs reached: stop as Trainer does at max_steps (final save/eval on a steps strategy).
+            control.should_training_stop = True
+            if args.save_strategy == "steps":
+                control.should_save = True
+            if args.eval_strategy == "steps" and state.global_step % state.eval_steps != 0:
+                control.should_evaluate = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.trainer.batchpilot is not None:
+            self.trainer.batchpilot.loader.close()  # stop dataloader workers now, not at garbage collection
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        if self.trainer.batchpilot is not None:
+            self.trainer.batchpilot.driver.start_clock()  # evaluation time is not training throughput
+
+    on_save = on_evaluate
+
+
+class SampleProgressCallback(ProgressCallback):
+    """The training bar counts samples towards ``num_train_epochs * len(train_dataset)``.
+
+    Steps have no fixed size, so a bar in steps has no honest total; samples do. Evaluation bars and log
+    printing are the parent's.
+    """
+
+    def __init__(self, run_getter: Callable[[], Any]) -> None:
+        super().__init__()
+        self._run = run_getter
+        self._seen = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        run = self._run()
+        if run is None or run.total_samples is None:  # max_steps is set: the step count is exact
+            return super().on_train_begin(args, state, control, **kwargs)
+        self._seen = run.samples_seen
+        self.current_step = state.global_step
+        if state.is_world_process_zero:
+            self.training_bar = tqdm(
+                total=run.total_samples, initial=self._seen, unit="samples", unit_scale=True, dynamic_ncols=True
+            )
+
+    def on_step_end(self, args, state, control, **kwargs):
+        run = self._run()
+        if run is None or run.total_samples is None:
+            return super().on_step_end(args, state, control, **kwargs)
+        if state.is_world_process_zero and self.training_bar is not None:
+            self.training_bar.update(run.samples_seen - self._seen)
+            self.training_bar.set_postfix(step=state.global_step, batch_size=run.batch_size, refresh=False)
+        self._seen = run.samples_seen
+        self.current_step = state.global_step

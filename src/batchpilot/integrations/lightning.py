@@ -1,0 +1,328 @@
+"""`AdaptiveBatchSize`: a Lightning callback whose controller sets the global batch size of every step.
+
+::
+
+    adaptive = AdaptiveBatchSize(LinearIncrease(start=32, increment=32, interval=100, max_size=512), batch_size=32)
+
+    class Model(lightning.LightningModule):
+        def train_dataloader(self):
+            return adaptive.dataloader(train_set, num_workers=2)        # resumable, exact coverage
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self(x), y)
+            self.log("train_loss", loss, batch_size=adaptive.local_batch_size)
+            return adaptive.weight(loss)          # optional: the exact global-batch mean gradient
+
+    lightning.Trainer(max_epochs=5, callbacks=[adaptive]).fit(Model())
+
+Sizes are global (samples per optimizer step over all ranks); each rank gets its contiguous share, split
+into ``accumulate_grad_batches`` micro-batches. Rank 0 decides after every optimizer step, every rank
+applies the broadcast value, and the next step has exactly that size (the loader reports a length, an
+upper bound of the epoch's batches, so Lightning does not read a batch ahead; the callback marks the
+epoch's real last batch). The loader has ``state_dict``/``load_state_dict``, so a mid-epoch checkpoint
+resumes with the same remaining samples and sizes; the controller is saved as the callback's state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ._require import require
+
+require("lightning", "lightning", what="batchpilot.integrations.lightning")
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from .. import distributed as bpdist
+from ..data.loader import AdaptiveDataLoader, MicroBatch
+from ._driver import SizeDriver
+
+__all__ = ["AdaptiveBatchSize", "AdaptiveLoader"]
+
+
+class AdaptiveLoader:
+    """The training loader :meth:`AdaptiveBatchSize.dataloader` returns (an iterable, not a DataLoader).
+
+    Built on first use, once the callback knows the rank, the world size and ``accumulate_grad_batches``.
+    Iterating yields the collated micro-batches of the rest of the current epoch. ``len()`` is an upper
+    bound (every step takes at least one sample), which keeps Lightning from prefetching a batch whose size
+    would then be stale. Lightning leaves non-DataLoader iterables alone under DDP (no DistributedSampler):
+    the sampler hands each rank its share itself.
+    """
+
+    def __init__(self, callback: AdaptiveBatchSize, dataset: Any, options: dict[str, Any]) -> None:
+        self._callback = callback
+        self.dataset = dataset
+        self._options = options
+        self._loader: AdaptiveDataLoader | None = None
+        self._pending_state: dict[str, Any] | None = None
+        self.current: MicroBatch | None = None
+
+    @property
+    def loader(self) -> AdaptiveDataLoader:
+        """The underlying :class:`~batchpilot.AdaptiveDataLoader` (built on first access)."""
+        if self._loader is None:
+            rank, world, accumulation = self._callback._placement()
+            self._loader = AdaptiveDataLoader(
+                self.dataset, self._callback.initial_batch_size, rank=rank, world_size=world,
+                accumulation_steps=accumulation, **self._options,
+            )
+            if self._pending_state is not None:
+                self._loader.load_state_dict(self._pending_state)
+                self._pending_state = None
+        return self._loader
+
+    def __len__(self) -> int:
+        return len(self.dataset) * self._callback._placement()[2]
+
+    def __iter__(self) -> Iterator[Any]:
+        for micro in self.loader:
+            self.current = micro
+            yield micro.data
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position at the first unconsumed step and the next size (JSON-serialisable)."""
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (possibly saved under another world size)."""
+        if self._loader is None:
+            self._pending_state = dict(state)
+        else:
+            self._loader.load_state_dict(state)
+
+
+class AdaptiveBatchSize(Callback):
+    """Drive the global batch size of a ``lightning.Trainer`` fit with any batchpilot controller.
+
+    Args:
+        controller: A batchpilot controller, a seed-003 callable ``(step, current_size) -> size``, or
+            ``None`` (constant size, still with exact coverage and resumable data).
+        batch_size: Global batch size of the first optimizer step (samples over all ranks).
+        min_batch_size, max_batch_size: Bounds every decision is clamped to.
+        decide_every: Ask the controller after every ``decide_every``-th optimizer step.
+        on_invalid: ``"raise"`` or ``"keep"`` for a controller that returns an unusable size.
+        log: Log ``batch_size``, ``train_coverage``, ``samples_seen`` and a coverage-based ``epoch``
+            (``samples_seen / len(dataset)``) after every optimizer step.
+
+    Raises:
+        ValueError: invalid settings (all problems in one message).
+    """
+
+    def __init__(
+        self,
+        controller: Any = None,
+        *,
+        batch_size: int,
+        min_batch_size: int | None = None,
+        max_batch_size: int | None = None,
+        decide_every: int = 1,
+        on_invalid: str = "raise",
+        log: bool = True,
+    ) -> None:
+        self.initial_batch_size = batch_size
+        self._settings = dict(
+            controller=controller, batch_size=batch_size, min_batch_size=min_batch_size,
+            max_batch_size=max_batch_size, decide_every=decide_every, on_invalid=on_invalid,
+        )
+        self.driver = SizeDriver(num_samples=0, **self._settings)  # validates the settings now
+        self.log_progress = log
+        self._trainer: Any = None
+        self._loader: AdaptiveLoader | None = None
+        self._step_loss: list[float] = [0.0, 0.0]  # this step's sum of loss * samples, and samples
+        self._inflight = 0  # samples of the step whose optimizer update ran but which is not counted yet
+        self._raw_loss: float | None = None  # the current micro-batch's mean loss, recorded by weight()
+
+    # ------------------------------------------------------------------ the loader
+    def dataloader(
+        self,
+        dataset: Any,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+    ) -> AdaptiveLoader:
+        """The training loader to return from ``train_dataloader()`` (or pass to ``fit``).
+
+        Args: as for :class:`~batchpilot.AdaptiveDataLoader` (workers are persistent, so a size change is
+        cheap). ``drop_last`` drops an epoch's final step when it is smaller than the decided size.
+        """
+        previous = self._loader
+        self._loader = AdaptiveLoader(
+            self,
+            dataset,
+            dict(shuffle=shuffle, seed=seed, drop_last=drop_last, num_workers=num_workers, collate_fn=collate_fn,
+                 pin_memory=pin_memory, prefetch_factor=prefetch_factor),
+        )
+        if previous is not None and previous._loader is not None:  # reloaded dataloaders keep the position
+            self._loader.load_state_dict(previous.state_dict())
+        self.driver.num_samples = len(dataset)
+        return self._loader
+
+    def _placement(self) -> tuple[int, int, int]:
+        """(rank, world size, accumulate_grad_batches) from the trainer, else from torch.distributed."""
+        if self._trainer is not None:
+            return self._trainer.global_rank, self._trainer.world_size, self._trainer.accumulate_grad_batches
+        rank, world = bpdist.rank_and_world()
+        return rank, world, 1
+
+    # ------------------------------------------------------------------ what the training step may read
+    @property
+    def batch_size(self) -> int:
+        """Global batch size of the next optimizer step."""
+        built = self._loader is not None and self._loader._loader is not None
+        return self._loader.loader.batch_size if built else self.initial_batch_size
+
+    @property
+    def micro_batch(self) -> MicroBatch | None:
+        """The micro-batch being trained (indices, sizes, ghost flag), or ``None`` outside training."""
+        return None if self._loader is None else self._loader.current
+
+    @property
+    def local_batch_size(self) -> int:
+        """Samples of this rank in the current micro-batch (0 for a ghost): the ``batch_size=`` for
+        ``self.log`` so epoch-level means weight every sample once."""
+        micro = self.micro_batch
+        return 0 if micro is None else micro.size
+
+    @property
+    def loss_weight(self) -> float:
+        """The factor :meth:`weight` multiplies by: ``n * world_size * accumulate_grad_batches / B``
+        (Lightning divides by the accumulation, DDP averages over ranks); 0 for a ghost micro-batch."""
+        micro = self.micro_batch
+        if micro is None:
+            return 1.0
+        _, world, accumulation = self._placement()
+        return micro.size * world * accumulation / micro.global_size
+
+    def weight(self, loss: torch.Tensor) -> torch.Tensor:
+        """Return ``loss * loss_weight`` from ``training_step`` to make each optimizer step's gradient the
+        mean over its global batch, whatever the split; ``loss`` is the micro-batch's mean loss (also what
+        the controller's loss history records). Without it every micro-batch counts equally, which differs
+        only when shares are uneven (by at most one sample) or for a ghost micro-batch at an epoch's end."""
+        micro = self.micro_batch
+        if micro is not None and micro.size:
+            self._raw_loss = float(loss.detach())
+        return loss * self.loss_weight
+
+    @property
+    def samples_seen(self) -> int:
+        """Samples of completed optimizer steps, over all ranks."""
+        return self.driver.samples_seen
+
+    def lr_lambda(self, fn: Callable[[int], float]) -> Callable[[int], float]:
+        """A ``LambdaLR`` multiplier on samples: ``fn(samples seen once the current step is done)``.
+
+        Steps have no fixed size, so a schedule over steps has no fixed length; one over samples does.
+        Use with ``interval="step"``::
+
+            LambdaLR(optimizer, adaptive.lr_lambda(batchpilot.lr.warmup_cosine(2_000, epochs * len(train_set))))
+        """
+        return lambda _step: fn(self.driver.samples_seen + self._inflight)
+
+    # ------------------------------------------------------------------ hooks
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._trainer = trainer
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._loader is None:
+            raise RuntimeError(
+                "AdaptiveBatchSize has no loader: return adaptive.dataloader(dataset) from train_dataloader() "
+                "(or pass it to trainer.fit) so the callback can set the batch size."
+            )
+        self.driver.rank = trainer.global_rank  # only rank 0 asks the controller
+        self.driver.min_useful = trainer.world_size * trainer.accumulate_grad_batches
+        self.driver.start_clock()
+        self._validate_at_epoch_end(trainer)
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self._validate_at_epoch_end(trainer)  # (re)loading dataloaders recomputes Lightning's schedule
+
+    @staticmethod
+    def _validate_at_epoch_end(trainer: Any) -> None:
+        """Make ``val_check_interval=1.0`` mean "at the epoch's last batch", as for a loader without length.
+
+        Lightning turns a float interval into a batch count from ``len(train_dataloader)``, which for this
+        loader is only an upper bound; an int interval (every k batches) and time intervals work as is.
+        """
+        interval = trainer.val_check_interval
+        if not isinstance(interval, float) or getattr(trainer, "_val_check_time_interval", None) is not None:
+            return
+        if interval != 1.0:
+            raise ValueError(
+                f"val_check_interval={interval} is a fraction of the epoch's batches, and their number changes with "
+                "the batch size; validate every k batches (an int), by time, or at epoch ends (1.0)."
+            )
+        trainer.val_check_batch = float("inf")
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        micro = self.micro_batch
+        if micro is not None and micro.is_last and micro.offset + micro.global_size >= self._loader.loader.sampler.num_samples:
+            self._mark_last_batch(trainer)  # this step completes the epoch: Lightning's own "last batch"
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        micro = self.micro_batch
+        self._inflight = 0 if micro is None else micro.global_size  # LR schedulers step before batch end
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        micro = self.micro_batch
+        if micro is None:
+            return
+        raw, self._raw_loss = self._raw_loss, None
+        if raw is None:  # training_step did not call weight(): Lightning divided its loss by the accumulation
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+            if isinstance(loss, torch.Tensor):
+                raw = float(loss.detach()) * self._placement()[2]
+        if raw is not None and micro.size:
+            self._step_loss[0] += raw * micro.size
+            self._step_loss[1] += micro.size
+        if not micro.is_last:
+            return
+        totals = torch.tensor(self._step_loss, dtype=torch.float64)
+        self._step_loss = [0.0, 0.0]
+        totals = bpdist.all_reduce_sum(totals)
+        self.driver.end_step(micro.global_size, float(totals[0] / totals[1]) if totals[1] > 0 else None)
+        self._inflight = 0
+        loader = self._loader.loader
+        epoch, offset, _ = loader.position()
+        new = self.driver.decide(loader.batch_size, epoch=epoch, coverage=offset / loader.sampler.num_samples)
+        loader.set_batch_size(new)
+        if self.log_progress:
+            # The progress bar's total is len(loader), an upper bound: train_coverage is the real progress.
+            shown = {"batch_size": float(micro.global_size), "train_coverage": offset / loader.sampler.num_samples}
+            hidden = {
+                "samples_seen": float(self.driver.samples_seen),
+                "epoch": self.driver.samples_seen / loader.sampler.num_samples,
+            }
+            for metrics, prog_bar in ((shown, True), (hidden, False)):
+                pl_module.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=prog_bar,
+                                   batch_size=max(micro.size, 1), rank_zero_only=True)
+        if loader.position()[0] > micro.epoch or (loader.sampler.drop_last and loader.position()[0] == micro.epoch
+                                                   and loader.sampler.num_samples - offset < new):
+            self._mark_last_batch(trainer)  # the epoch is over (covered, or its tail will be dropped)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._loader is not None and self._loader._loader is not None:
+            self._loader._loader.close()  # stop dataloader workers now, not at garbage collection
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        self.driver.start_clock()  # validation time is not training throughput
+
+    @staticmethod
+    def _mark_last_batch(trainer: Any) -> None:
+        trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """The driver's counters and the controller's state (the data position is the loader's)."""
+        return {"driver": self.driver.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (Lightning calls it when resuming from a checkpoint)."""
+        self.driver.load_state_dict(state_dict["driver"])

@@ -1,0 +1,91 @@
+"""Run AdaptiveBatchSizeTrainer under torchrun (gloo on CPU) and write what each rank did.
+
+    torchrun --standalone --nproc-per-node 2 [--max-restarts 1] tests/_hf_ddp.py OUT_DIR [--workers N]
+        [--save-steps K] [--fail-at-step S]
+
+Writes OUT_DIR/rank<r>.json: per step of this attempt the global size and this rank's sample ids (ghost
+micro-batches excluded), and the final weights. ``--fail-at-step S`` makes rank 1 exit after step S of the
+first attempt; every attempt resumes from the newest checkpoint in OUT_DIR/ckpt if there is one.
+Set BATCHPILOT_INIT_TORCHRUN=1 to create the process group with batchpilot's init_torchrun (safe across
+torchrun restarts with gloo) before accelerate. Used by tests/test_hf.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+from _hf_common import PointSet, Recorder, SizeList
+from transformers import TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+from batchpilot.integrations.hf import AdaptiveBatchSizeTrainer
+
+# Sizes include 1 (smaller than world size x accumulation: ghost micro-batches) and an epoch tail of 1.
+SIZES = [3, 7, 1, 12, 5, 9, 2, 20, 4, 11]
+NUM_SAMPLES = 61
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--fail-at-step", type=int, default=None)
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--save-steps", type=int, default=0)
+    parser.add_argument("--epochs", type=float, default=2)
+    opts = parser.parse_args()
+    if os.environ.get("BATCHPILOT_INIT_TORCHRUN"):
+        from batchpilot.distributed import init_torchrun
+
+        init_torchrun("gloo")  # accelerate then uses this process group
+    model = Recorder()
+    args = TrainingArguments(
+        output_dir=str(Path(opts.out) / "ckpt"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        num_train_epochs=opts.epochs, use_cpu=True, report_to=[], disable_tqdm=True, logging_steps=1000,
+        save_strategy="steps" if opts.save_steps else "no", save_steps=opts.save_steps or 500,
+        dataloader_num_workers=opts.workers, learning_rate=0.1, optim="sgd", lr_scheduler_type="constant",
+        weight_decay=0.0, max_grad_norm=0.0, seed=3, ddp_find_unused_parameters=False,
+    )
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=SizeList(SIZES), model=model, args=args, train_dataset=PointSet(NUM_SAMPLES),
+    )
+    steps: list[dict] = []
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            s = trainer.batchpilot.last_step
+            steps.append({"step": state.global_step, "size": s.global_size, "ids": s.indices.tolist(),
+                          "ghosts": s.ghosts, "epoch": s.epoch})
+            first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            if state.global_step == opts.fail_at_step and args.process_index == 1 and first_attempt:
+                os._exit(1)  # a crash, not an exception: no cleanup, no final checkpoint
+
+    trainer.add_callback(Record())
+    ckpt = Path(args.output_dir)
+    resume = get_last_checkpoint(str(ckpt)) if ckpt.is_dir() else None
+    trainer.train(resume_from_checkpoint=resume)
+    rank = trainer.args.process_index
+    out = {
+        "rank": rank,
+        "world_size": trainer.args.world_size,
+        "steps": steps,
+        "weights": [p.detach().tolist() for p in model.parameters()],
+        "global_step": trainer.state.global_step,
+        "resumed_from": resume,
+    }
+    Path(opts.out).mkdir(parents=True, exist_ok=True)
+    Path(opts.out, f"rank{rank}.json").write_text(json.dumps(out))
+    # Tear the gloo group down before the interpreter exits; left to exit-time destructors it sometimes
+    # aborts ("terminate called without an active exception").
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

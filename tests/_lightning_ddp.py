@@ -1,0 +1,105 @@
+"""A tiny Lightning fit driven by AdaptiveBatchSize; importable (tests/test_lightning.py) and runnable under
+torchrun (2 gloo ranks on CPU):
+
+    torchrun --standalone --nproc-per-node 2 tests/_lightning_ddp.py OUT_DIR
+
+Writes OUT_DIR/rank<r>.json: per optimizer step the global size and this rank's sample ids, and the final
+weights.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _hf_common import SizeList
+
+from batchpilot.integrations.lightning import AdaptiveBatchSize
+
+SIZES = [3, 7, 1, 12, 5, 9, 2, 20, 4, 11]
+NUM_SAMPLES = 61
+
+
+def make_data(n: int = NUM_SAMPLES) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 5, generator=g, dtype=torch.float64)
+    return TensorDataset(x, (x[:, 0] - x[:, 1] > 0).long(), torch.arange(n))
+
+
+def make_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).double()
+
+
+class Model(L.LightningModule):
+    """Trains ``make_net()`` with SGD; weights each micro-batch with ``adaptive.loss_weight``; records what it saw."""
+
+    def __init__(self, adaptive: AdaptiveBatchSize, data: TensorDataset, workers: int = 0, val: bool = True) -> None:
+        super().__init__()
+        self.adaptive, self.data, self.workers, self.val = adaptive, data, workers, val
+        self.net = make_net()
+        self.steps: list[dict] = []  # one per optimizer step: size and this rank's ids
+        self.validations = 0
+
+    def train_dataloader(self):
+        return self.adaptive.dataloader(self.data, num_workers=self.workers, seed=1)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(self.data, batch_size=16) if self.val else []
+
+    def training_step(self, batch, batch_idx):
+        x, y, ids = batch
+        micro = self.adaptive.micro_batch
+        if micro.micro_index == 0:
+            self.steps.append({"size": micro.global_size, "ids": [], "epoch": micro.epoch})
+        if not micro.ghost:
+            self.steps[-1]["ids"].extend(ids.tolist())
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        # Logged per sample: the epoch mean of the ids must be the mean of range(N) exactly.
+        self.log("id_mean", ids.double().mean(), on_step=False, on_epoch=True,
+                 batch_size=self.adaptive.local_batch_size)
+        return self.adaptive.weight(loss)
+
+    def validation_step(self, batch, batch_idx):
+        return None
+
+    def on_validation_epoch_end(self):
+        if not self.trainer.sanity_checking:
+            self.validations += 1
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    adaptive = AdaptiveBatchSize(SizeList(SIZES), batch_size=4)
+    model = Model(adaptive, make_data(), val=False)
+    trainer = L.Trainer(
+        max_epochs=2, accelerator="cpu", devices=2, strategy="ddp", accumulate_grad_batches=2,
+        callbacks=[adaptive], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model)
+    result = {
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "steps": model.steps,
+        "weights": [p.detach().tolist() for p in model.net.parameters()],
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    if torch.distributed.is_initialized():  # an explicit teardown: exit-time destructors may abort
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

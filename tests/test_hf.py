@@ -1,0 +1,456 @@
+"""AdaptiveBatchSizeTrainer on a real ``transformers.Trainer``: tiny models from configs, no downloads.
+
+What is checked, each against a value derived independently of the trainer:
+- seed 003's constructor and scheduler; training stops after exactly ``num_train_epochs`` passes, every
+  sample once per pass; logs carry ``train_coverage``/``epoch`` as in the seed's example log;
+- a size decided after step t is the size of step t+1, with dataloader workers and accelerate's look-ahead on,
+  and the model sees exactly the planned samples;
+- gradients: weights equal a plain full-batch-mean SGD loop on the same samples (accumulation, ghosts);
+- the LR schedule runs on samples; LR coupling; TensorBoard receives the metrics; ``max_steps`` mode; bf16;
+- resume from a checkpoint gives the same samples, sizes and bitwise-equal weights;
+- torchrun with 2 gloo ranks: equal sizes on every rank, exact coverage, weights equal a 1-process
+  reference; a failed rank restarted by torchrun resumes to bitwise-equal weights.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from _hf_common import PointSet, Recorder, SentimentText, SizeList, tiny_bert
+from transformers import TrainerCallback, TrainingArguments
+
+from batchpilot.controllers import LinearIncrease, linear_increase_scheduler
+from batchpilot.integrations.hf import AdaptiveBatchSizeTrainer
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLING_STRATEGY = "train_sampling_strategy" in TrainingArguments.__dataclass_fields__  # newer 5.x releases
+SIZES = [3, 7, 1, 12, 5, 9, 2, 20, 4, 11]  # 1 and 2 are smaller than accumulation x world size: ghosts
+
+
+def quiet_args(out: Path, **overrides) -> TrainingArguments:
+    settings = dict(
+        output_dir=str(out), use_cpu=True, report_to=[], disable_tqdm=True, logging_steps=1000, save_strategy="no",
+        seed=0,
+    )
+    settings.update(overrides)
+    return TrainingArguments(**settings)
+
+
+def exact_sgd(**overrides) -> dict:
+    """Plain SGD at a constant LR, no clipping, no weight decay: weights follow the gradients exactly."""
+    return dict(learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
+                **overrides)
+
+
+def record_steps(trainer: AdaptiveBatchSizeTrainer) -> list:
+    """Append the StepRecord of every finished step to the returned list."""
+    steps: list = []
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            steps.append(trainer.batchpilot.last_step)
+
+    trainer.add_callback(Record())
+    return steps
+
+
+def expected_sizes(first: int, decide, num_samples: int, epochs: int) -> list[int]:
+    """Replay a controller by hand: the size of each step, an epoch's last step truncated to what is left."""
+    sizes, size, step = [], first, 0
+    for _ in range(epochs):
+        left = num_samples
+        while left:
+            sizes.append(min(size, left))
+            left -= sizes[-1]
+            step += 1
+            size = decide(step, size)
+    return sizes
+
+
+def check_coverage(steps: list, num_samples: int, epochs: int) -> None:
+    per_epoch = collections.defaultdict(list)
+    for s in steps:
+        per_epoch[s.epoch].extend(s.indices.tolist())
+    assert sorted(per_epoch) == list(range(epochs))
+    for ids in per_epoch.values():
+        assert sorted(ids) == list(range(num_samples))  # every sample exactly once per epoch
+
+
+def collate_fn(samples: list[dict]) -> dict:
+    return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in samples[0]}
+
+
+# --------------------------------------------------------------------------------------------- seed 003
+def test_seed003_trainer_grows_the_batch_and_stops_after_the_epochs(tmp_path):
+    batch_scheduler = functools.partial(linear_increase_scheduler, interval=4, max_size=24, increment=4)
+    training_args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,  # the first step's size
+        num_train_epochs=2,
+        max_steps=-1,
+        dataloader_drop_last=False,
+        eval_strategy="epoch",
+        logging_steps=3,
+        use_cpu=True, report_to=[], disable_tqdm=True, save_strategy="no", learning_rate=3e-3,
+    )
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=batch_scheduler,
+        model=tiny_bert(),
+        args=training_args,
+        train_dataset=SentimentText(90, seed=1),
+        eval_dataset=SentimentText(20, seed=2),
+        data_collator=collate_fn,
+    )
+    steps = record_steps(trainer)
+    result = trainer.train()
+
+    assert [s.global_size for s in steps] == expected_sizes(4, batch_scheduler, 90, 2)
+    check_coverage(steps, 90, 2)
+    assert result.global_step == len(steps)
+    assert trainer.batchpilot.samples_seen == 180 and trainer.state.epoch == 2.0
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert logs and {"loss", "learning_rate", "train_coverage", "epoch", "batch_size"} <= set(logs[0])
+    for log in logs:  # seed 003: epoch = passes by samples, train_coverage = fraction of the current pass
+        seen = sum(s.global_size for s in steps[: log["step"]])
+        assert log["epoch"] == seen / 90
+        assert log["train_coverage"] == pytest.approx(seen % 90 / 90, abs=1e-6)
+        assert log["batch_size"] == steps[log["step"] - 1].global_size
+    assert sum("eval_loss" in h for h in trainer.state.log_history) == 2  # one evaluation per epoch
+
+
+def test_any_controller_and_exact_sizes_with_workers_and_lookahead(tmp_path):
+    """Workers prefetch and accelerate reads one batch ahead; a decision still applies to the next step."""
+    sizes = [3, 7, 12, 5, 9, 20, 4, 11]  # all >= accumulation steps: no ghost micro-batches here
+    model = Recorder()
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=SizeList(sizes), model=model, train_dataset=PointSet(62),
+        args=quiet_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, num_train_epochs=2,
+                        dataloader_num_workers=2, **exact_sgd()),
+    )
+    steps = record_steps(trainer)
+    trainer.train()
+    decided = iter(sizes * 3)
+    assert [s.global_size for s in steps] == expected_sizes(4, lambda step, size: next(decided), 62, 2)
+    check_coverage(steps, 62, 2)
+    assert not any(s.ghosts for s in steps)  # (62 samples: no epoch tail smaller than the accumulation)
+    seen = [i for call in model.seen for i in call]  # what the model's forward received, in order
+    assert seen == [i for s in steps for i in s.indices.tolist()]
+    assert trainer.batchpilot.loader.rewinds > 0  # batches prefetched at an old size were discarded
+
+
+def test_gradients_equal_a_full_batch_mean_sgd_loop(tmp_path):
+    """Uneven micro-batches and ghost micro-batches (size 1 or 2 over 3 accumulation steps) still give the
+    gradient of the mean loss over the global batch."""
+    data, model = PointSet(61), Recorder()
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=SizeList(SIZES), model=model, train_dataset=data,
+        args=quiet_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=3, num_train_epochs=2,
+                        **exact_sgd()),
+    )
+    steps = record_steps(trainer)
+    trainer.train()
+    assert any(s.ghosts for s in steps)
+    reference, losses = Recorder(), []
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for s in steps:
+        idx = torch.as_tensor(s.indices)
+        optimizer.zero_grad()
+        loss = reference(data.x[idx], data.y[idx])["loss"]
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+    assert list(trainer.batchpilot.driver.losses) == pytest.approx(losses, rel=1e-12)  # what a controller sees
+
+
+def test_a_loss_normalised_by_num_items_keeps_trainers_item_counting(tmp_path):
+    """With compute_loss_func (sum / num_items_in_batch) Trainer counts the items itself; ghost micro-batches
+    get labels -100, so the gradient is still the global-batch mean."""
+    data, model = PointSet(61), Recorder()
+
+    def summed_loss(outputs, labels, num_items_in_batch):
+        return torch.nn.functional.cross_entropy(outputs["logits"], labels, reduction="sum") / num_items_in_batch
+
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=SizeList(SIZES), model=model, train_dataset=data, compute_loss_func=summed_loss,
+        args=quiet_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=3, num_train_epochs=1,
+                        **exact_sgd()),
+    )
+    steps = record_steps(trainer)
+    trainer.train()
+    assert any(s.ghosts for s in steps)
+    reference = Recorder()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for s in steps:
+        idx = torch.as_tensor(s.indices)
+        optimizer.zero_grad()
+        loss = reference(data.x[idx], data.y[idx])["loss"]
+        loss.backward()
+        optimizer.step()
+    assert trainer.batchpilot.last_loss == pytest.approx(float(loss), rel=1e-12)
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+
+
+# --------------------------------------------------------------------------------------------- LR
+def test_lr_schedule_runs_on_samples_and_lr_coupling_scales_it(tmp_path):
+    total, warmup_steps = 2 * 61, 2
+    lrs_used: list[tuple[float, int]] = []
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=SizeList(SIZES), model=Recorder(), train_dataset=PointSet(61), lr_rule="sqrt",
+        args=quiet_args(tmp_path, per_device_train_batch_size=4, num_train_epochs=2, learning_rate=0.1,
+                        lr_scheduler_type="linear", warmup_steps=warmup_steps, logging_steps=1),
+    )
+
+    class Spy(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            lrs_used.append((trainer.optimizer.param_groups[0]["lr"], trainer.batchpilot.inflight.global_size))
+
+    trainer.add_callback(Spy())
+    steps = record_steps(trainer)
+    trainer.train()
+
+    warmup = warmup_steps * 4  # warm-up steps count batches of the first step's size
+
+    def schedule(seen: int) -> float:  # transformers' linear schedule, in samples
+        return 0.1 * (seen / warmup if seen < warmup else max(0.0, (total - seen) / (total - warmup)))
+
+    logs = [h for h in trainer.state.log_history if "learning_rate" in h]
+    decided = [4] + SIZES * 2  # the size set for each step (an epoch's last step may be cut shorter)
+    assert len(logs) == len(lrs_used) == len(steps)
+    seen = 0
+    for s, log, (lr, size), set_size in zip(steps, logs, lrs_used, decided):
+        factor = math.sqrt(set_size / 4)  # "sqrt": LR x sqrt(B / B0), B0 = the first step's size
+        assert log["learning_rate"] == pytest.approx(schedule(seen), rel=1e-12)  # the schedule at this step
+        assert log["lr_factor"] == pytest.approx(factor, rel=1e-12)
+        assert size == s.global_size and lr == pytest.approx(schedule(seen) * factor, rel=1e-12)
+        seen += s.global_size
+    assert seen == total and trainer.lr_scheduler.get_last_lr()[0] == 0.0  # the schedule ends with the data
+
+
+def test_max_steps_bounds_training_with_the_step_schedule(tmp_path):
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=LinearIncrease(start=4, increment=4, interval=2, max_size=32), model=Recorder(),
+        train_dataset=PointSet(61),
+        args=quiet_args(tmp_path, per_device_train_batch_size=4, max_steps=9, learning_rate=0.1,
+                        lr_scheduler_type="linear"),
+    )
+    steps = record_steps(trainer)
+    trainer.train()
+    assert [s.global_size for s in steps] == [4, 4, 8, 8, 12, 12, 13, 16, 20]  # 13: the first epoch's tail
+    assert trainer.state.global_step == 9 and trainer.lr_scheduler.get_last_lr()[0] == 0.0
+    assert type(trainer.lr_scheduler).__name__ == "LambdaLR"  # Trainer's own: the step count is exact
+
+
+def test_tensorboard_receives_coverage_epoch_and_batch_size(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))  # transformers 5.x: no logging_dir
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=SizeList(SIZES), model=Recorder(), train_dataset=PointSet(61),
+        args=quiet_args(tmp_path, per_device_train_batch_size=4, num_train_epochs=1, logging_steps=2,
+                        report_to=["tensorboard"]),
+    )
+    trainer.train()
+    events = EventAccumulator(str(tmp_path / "tb")).Reload()
+    assert sum("loss" in h for h in trainer.state.log_history) == 4  # steps 2, 4, 6, 8 of 9
+    for key in ("train_coverage", "epoch", "batch_size", "samples_seen"):
+        logs = [h for h in trainer.state.log_history if key in h]  # `epoch` is in the final summary too
+        scalars = events.Scalars(f"train/{key}")
+        assert [e.step for e in scalars] == [h["step"] for h in logs]
+        assert [e.value for e in scalars] == pytest.approx([h[key] for h in logs], rel=1e-6)
+
+
+def test_bf16_autocast_on_cpu(tmp_path):
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=SizeList([6, 10]), model=tiny_bert(), train_dataset=SentimentText(40),
+        data_collator=collate_fn,
+        args=quiet_args(tmp_path, per_device_train_batch_size=4, num_train_epochs=1, bf16=True, learning_rate=1e-3),
+    )
+    steps = record_steps(trainer)
+    result = trainer.train()
+    assert trainer.accelerator.mixed_precision == "bf16"
+    assert [s.global_size for s in steps] == [4, 6, 10, 6, 10, 4] and math.isfinite(result.training_loss)
+
+
+# --------------------------------------------------------------------------------------------- resume
+@pytest.mark.parametrize("save, workers_after", [("steps", 0), ("steps", 2), ("epoch", 0)])
+def test_resume_from_checkpoint_is_exact(tmp_path, save, workers_after):
+    """Interrupting mid-epoch (after step 7, mid-accumulation plan) or at the first epoch's end and resuming
+    gives the same samples, sizes and (bitwise) weights, with dropout (RNG), a linear LR schedule on
+    samples and LR coupling."""
+
+    def run(resume: str | None, workers: int):
+        model = tiny_bert()
+        trainer = AdaptiveBatchSizeTrainer(
+            batch_size_scheduler=SizeList(SIZES), model=model, train_dataset=SentimentText(61),
+            data_collator=collate_fn, lr_rule="sqrt",
+            args=quiet_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                            num_train_epochs=2, save_strategy=save, save_steps=7,
+                            dataloader_num_workers=workers, learning_rate=3e-3, lr_scheduler_type="linear",
+                            warmup_steps=2),
+        )
+        steps = record_steps(trainer)
+        trainer.train(resume_from_checkpoint=resume)
+        return steps, [p.detach().clone() for p in model.parameters()]
+
+    full, full_weights = run(None, 0)
+    first = min(tmp_path.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert (first / "batchpilot_state.json").is_file()
+    done = int(first.name.split("-")[1])
+    assert done == (7 if save == "steps" else 9)  # epoch 0 has 9 steps
+    resumed, resumed_weights = run(str(first), workers_after)
+    assert [(s.global_size, s.indices.tolist()) for s in resumed] == [
+        (s.global_size, s.indices.tolist()) for s in full[done:]
+    ]
+    assert all(torch.equal(a, b) for a, b in zip(full_weights, resumed_weights))
+
+
+def test_resume_from_a_foreign_checkpoint_fails_clearly(tmp_path):
+    from transformers import Trainer
+
+    Trainer(model=Recorder(), train_dataset=PointSet(20),
+            args=quiet_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)).train()
+    trainer = AdaptiveBatchSizeTrainer(model=Recorder(), train_dataset=PointSet(20), args=quiet_args(tmp_path))
+    with pytest.raises(FileNotFoundError, match="has no batchpilot_state.json"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+
+
+# --------------------------------------------------------------------------------------------- errors
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(auto_find_batch_size=True), "auto_find_batch_size"),
+        (dict(logging_steps=0.1), "logging_steps=0.1"),
+        (dict(train_sampling_strategy="group_by_length") if SAMPLING_STRATEGY else dict(group_by_length=True),
+         "train_sampling_strategy"),
+    ],
+)
+def test_unsupported_arguments_are_rejected(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        AdaptiveBatchSizeTrainer(model=Recorder(), train_dataset=PointSet(20), args=quiet_args(tmp_path, **overrides))
+
+
+def test_invalid_scheduler_settings_fail_at_construction(tmp_path):
+    with pytest.raises(ValueError, match="min_size=8 is larger than max_size=4"):
+        AdaptiveBatchSizeTrainer(model=Recorder(), train_dataset=PointSet(20), args=quiet_args(tmp_path),
+                                 min_batch_size=8, max_batch_size=4)
+    with pytest.raises(ValueError, match="callable"):
+        AdaptiveBatchSizeTrainer(batch_size_scheduler=42, model=Recorder(), train_dataset=PointSet(20),
+                                 args=quiet_args(tmp_path))
+
+
+def test_a_scheduler_returning_nonsense_is_stopped(tmp_path):
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=lambda step, size: 0, model=Recorder(), train_dataset=PointSet(20),
+        args=quiet_args(tmp_path, num_train_epochs=1),
+    )
+    with pytest.raises(ValueError, match="returned 0"):
+        trainer.train()
+
+
+@pytest.mark.parametrize("module, extra", [("transformers", "hf"), ("lightning", "lightning")])
+def test_missing_framework_names_the_extra_and_the_core_never_imports_it(module, extra):
+    integration = "hf" if extra == "hf" else "lightning"
+    code = (
+        "import sys\n"
+        "import batchpilot, batchpilot.integrations, batchpilot.controllers, batchpilot.lr\n"
+        f"assert {module!r} not in sys.modules, 'the core imported {module}'\n"
+        f"sys.modules[{module!r}] = None\n"
+        "try:\n"
+        f"    import batchpilot.integrations.{integration}\n"
+        "except ImportError as err:\n"
+        "    print(err)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f'pip install "batchpilot[{extra}]"' in out.stdout
+
+
+# --------------------------------------------------------------------------------------------- example
+def test_example_runs_end_to_end(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "hf_text_classification.py"), "--output-dir", str(tmp_path),
+         "--epochs", "2", "--train-samples", "120", "--eval-samples", "40", "--interval", "5", "--max-size", "16"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["samples_seen"] == 240 and summary["epochs"] == 2.0 and summary["final_batch_size"] > 4
+
+
+# --------------------------------------------------------------------------------------------- torchrun
+def torchrun(out: Path, *args: str, restarts: int = 0, env: dict | None = None) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           f"--max-restarts={restarts}", str(REPO / "tests" / "_hf_ddp.py"), str(out), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.distributed
+def test_torchrun_two_ranks_match_a_single_process_reference(tmp_path):
+    ranks = torchrun(tmp_path / "ddp")
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    sizes = [[s["size"] for s in r["steps"]] for r in ranks]
+    assert sizes[0] == sizes[1]  # every rank ran every step at the same global size
+    assert any(s["ghosts"] for r in ranks for s in r["steps"])
+    per_epoch = collections.defaultdict(list)
+    for r in ranks:
+        for s in r["steps"]:
+            per_epoch[s["epoch"]].extend(s["ids"])
+    assert sorted(per_epoch) == [0, 1] and all(sorted(ids) == list(range(61)) for ids in per_epoch.values())
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+    data, reference = PointSet(61), Recorder()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for s0, s1 in zip(ranks[0]["steps"], ranks[1]["steps"]):
+        idx = torch.tensor(s0["ids"] + s1["ids"])
+        optimizer.zero_grad()
+        reference(data.x[idx], data.y[idx])["loss"].backward()
+        optimizer.step()
+    for got, want in zip(ranks[0]["weights"], reference.parameters()):
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want.detach(), rtol=0, atol=1e-13)
+
+
+@pytest.mark.distributed
+def test_torchrun_restart_after_a_failure_resumes_exactly(tmp_path):
+    """Rank 1 dies after step 9 of the first attempt; torchrun restarts both ranks, which resume from
+    checkpoint-8 (with init_torchrun and 2 dataloader workers) and finish like a run that never failed."""
+    clean = torchrun(tmp_path / "clean", "--save-steps", "4")
+    failed = torchrun(tmp_path / "failed", "--save-steps", "4", "--fail-at-step", "9", "--workers", "2",
+                      restarts=1, env={"BATCHPILOT_INIT_TORCHRUN": "1"})
+    assert failed[0]["resumed_from"].endswith("checkpoint-8")
+    for a, b in zip(clean, failed):
+        assert [(s["size"], s["ids"]) for s in a["steps"][8:]] == [(s["size"], s["ids"]) for s in b["steps"]]
+        assert a["weights"] == b["weights"]
+
+    # The same 2-rank checkpoint resumed by a single process: positions are global, so the rest is the same.
+    model = Recorder()
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=SizeList(SIZES), model=model, train_dataset=PointSet(61),
+        args=quiet_args(tmp_path / "one", per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                        num_train_epochs=2, seed=3, **exact_sgd()),  # the script's seed: the same data order
+    )
+    steps = record_steps(trainer)
+    trainer.train(resume_from_checkpoint=str(tmp_path / "clean" / "ckpt" / "checkpoint-8"))
+    rest = list(zip(clean[0]["steps"][8:], clean[1]["steps"][8:]))
+    assert [s.global_size for s in steps] == [a["size"] for a, _ in rest]
+    assert [sorted(s.indices.tolist()) for s in steps] == [sorted(a["ids"] + b["ids"]) for a, b in rest]
+    for got, want in zip(model.parameters(), clean[0]["weights"]):
+        torch.testing.assert_close(got.detach(), torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-13)

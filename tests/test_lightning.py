@@ -1,0 +1,181 @@
+"""AdaptiveBatchSize in real ``lightning.Trainer`` fits (CPU, tiny float64 model, no downloads).
+
+Checked against values derived without Lightning: the sizes a controller decided, every sample once per
+epoch, weights equal to a plain full-batch-mean SGD loop, one validation per epoch, sample-weighted epoch
+means from ``self.log(..., batch_size=...)``, bitwise-equal mid-epoch resume without Lightning's
+"not resumable" warning, and 2 DDP ranks under torchrun.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+L = pytest.importorskip("lightning")
+
+from _hf_common import SizeList
+from _lightning_ddp import NUM_SAMPLES, SIZES, Model, make_data, make_net
+
+from batchpilot.controllers import LinearIncrease
+from batchpilot.integrations.lightning import AdaptiveBatchSize
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def trainer(tmp_path: Path, adaptive: AdaptiveBatchSize, **overrides) -> L.Trainer:
+    settings = dict(
+        max_epochs=2, accelerator="cpu", devices=1, callbacks=[adaptive], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+        num_sanity_val_steps=0,
+    )
+    settings.update(overrides)
+    return L.Trainer(**settings)
+
+
+def expected_sizes(first: int, sizes: list[int], num_samples: int, epochs: int) -> list[int]:
+    out, size, decided = [], first, iter(sizes * 10)
+    for _ in range(epochs):
+        left = num_samples
+        while left:
+            out.append(min(size, left))
+            left -= out[-1]
+            size = next(decided)
+    return out
+
+
+def sgd_reference(steps: list[dict], data, losses: list | None = None) -> list[torch.Tensor]:
+    """Plain full-batch-mean SGD over the steps' samples; appends each step's mean loss to ``losses``."""
+    net = make_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    x, y, _ = data.tensors
+    for s in steps:
+        idx = torch.tensor(s["ids"])
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(net(x[idx]), y[idx])
+        loss.backward()
+        optimizer.step()
+        if losses is not None:
+            losses.append(float(loss))
+    return [p.detach() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_sizes_coverage_gradients_validation_and_logging(tmp_path, workers):
+    data = make_data()
+    adaptive = AdaptiveBatchSize(SizeList(SIZES), batch_size=4)
+    model = Model(adaptive, data, workers=workers)
+    fit = trainer(tmp_path, adaptive, accumulate_grad_batches=2)
+    fit.fit(model)
+
+    assert [s["size"] for s in model.steps] == expected_sizes(4, SIZES, NUM_SAMPLES, 2)
+    assert fit.global_step == len(model.steps)  # one optimizer step per decided batch
+    per_epoch = collections.defaultdict(list)
+    for s in model.steps:
+        per_epoch[s["epoch"]].extend(s["ids"])
+    assert [sorted(per_epoch[e]) for e in (0, 1)] == [list(range(NUM_SAMPLES))] * 2
+    # Accumulation over uneven and ghost micro-batches still gives the global-batch mean gradient.
+    losses: list[float] = []
+    for got, want in zip(model.net.parameters(), sgd_reference(model.steps, data, losses)):
+        torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-13)
+    assert list(adaptive.driver.losses) == pytest.approx(losses, rel=1e-12)  # what a controller observes
+    assert model.validations == 2  # Lightning still sees each epoch's real last batch
+    metrics = fit.logged_metrics
+    assert float(metrics["id_mean"]) == pytest.approx((NUM_SAMPLES - 1) / 2, abs=1e-9)  # each sample weighs once
+    assert float(metrics["epoch"]) == 2.0 and float(metrics["train_coverage"]) == 0.0
+    assert float(metrics["batch_size"]) == model.steps[-1]["size"]
+    assert float(metrics["samples_seen"]) == 2 * NUM_SAMPLES
+
+
+def test_logged_progress_reaches_loggers(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    adaptive = AdaptiveBatchSize(LinearIncrease(start=4, increment=4, interval=2, max_size=16), batch_size=4)
+    model = Model(adaptive, make_data(), val=False)
+    fit = trainer(tmp_path, adaptive, max_epochs=1, logger=CSVLogger(str(tmp_path)), log_every_n_steps=1)
+    fit.fit(model)
+    rows = (Path(fit.logger.log_dir) / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    assert {"batch_size", "train_coverage", "epoch", "samples_seen"} <= set(header)
+    sizes = [float(r.split(",")[header.index("batch_size")]) for r in rows[1:] if r.split(",")[header.index("batch_size")]]
+    assert sizes == [float(s["size"]) for s in model.steps] == [4, 4, 8, 8, 12, 12, 13]
+
+
+def test_mid_epoch_resume_is_exact_and_not_flagged_as_unresumable(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(ckpt_path=None):
+        data = make_data()
+        adaptive = AdaptiveBatchSize(SizeList(SIZES), batch_size=4)
+        model = Model(adaptive, data, workers=2 if ckpt_path else 0, val=False)
+        saver = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=5, save_top_k=-1,
+                                filename="{step}")
+        fit = trainer(tmp_path, adaptive, accumulate_grad_batches=2, enable_checkpointing=True,
+                      callbacks=[adaptive, saver])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fit.fit(model, ckpt_path=ckpt_path)
+        return model, [str(w.message) for w in caught]
+
+    full, _ = run()
+    resumed, caught = run(str(tmp_path / "ckpt" / "step=5.ckpt"))  # mid-epoch: epoch 0 has 9 steps
+    assert not [m for m in caught if "not resumable" in m]
+    assert [(s["size"], s["ids"]) for s in resumed.steps] == [(s["size"], s["ids"]) for s in full.steps[5:]]
+    assert all(torch.equal(a, b) for a, b in zip(full.net.parameters(), resumed.net.parameters()))
+
+
+def test_the_loader_needs_the_callback_in_the_trainer(tmp_path):
+    adaptive = AdaptiveBatchSize(SizeList(SIZES), batch_size=4)
+    model = Model(AdaptiveBatchSize(batch_size=4), make_data(), val=False)  # a different callback's loader
+    with pytest.raises(RuntimeError, match="AdaptiveBatchSize has no loader"):
+        trainer(tmp_path, adaptive).fit(model)
+
+
+def test_invalid_settings_fail_at_construction():
+    with pytest.raises(ValueError, match="outside"):
+        AdaptiveBatchSize(batch_size=64, max_batch_size=32)
+
+
+def test_example_runs_and_resumes(tmp_path):
+    def example(*args: str) -> dict:
+        out = subprocess.run(
+            [sys.executable, str(REPO / "examples" / "lightning_mnist1d.py"), "--output-dir", str(tmp_path),
+             "--train-samples", "600", "--max-size", "64", "--interval", "5", *args],
+            capture_output=True, text=True, timeout=300,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads((tmp_path / "summary.json").read_text())
+
+    first = example("--epochs", "1")
+    assert first["samples_seen"] == 600 and first["final_batch_size"] == 64
+    resumed = example("--epochs", "2", "--resume")  # continues from last.ckpt: one more epoch
+    assert resumed["samples_seen"] == 2 * 600 and resumed["steps"] > first["steps"]
+
+
+@pytest.mark.distributed
+def test_ddp_two_ranks_under_torchrun(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "tests" / "_lightning_ddp.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    sizes = [[s["size"] for s in r["steps"]] for r in ranks]
+    assert sizes[0] == sizes[1] == expected_sizes(4, SIZES, NUM_SAMPLES, 2)
+    per_epoch = collections.defaultdict(list)
+    for r in ranks:
+        for s in r["steps"]:
+            per_epoch[s["epoch"]].extend(s["ids"])
+    assert [sorted(per_epoch[e]) for e in (0, 1)] == [list(range(NUM_SAMPLES))] * 2
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+    merged = [{"ids": a["ids"] + b["ids"]} for a, b in zip(ranks[0]["steps"], ranks[1]["steps"])]
+    for got, want in zip(ranks[0]["weights"], sgd_reference(merged, make_data())):
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=0, atol=1e-13)
