@@ -1,19 +1,9 @@
-"""Learning-rate coupling: rescale the LR when the batch size changes, on top of the user's LR schedule.
+"""Learning rate and batch size.
 
-The engine drives :class:`LRCoupling` around every optimizer step::
-
-    coupling.scale(first_batch_size)          # once, before the first step
-    for each step:
-        optimizer.step()
-        coupling.unscale()                    # param_group["lr"] is the schedule's LR again
-        for s in lr_schedulers: s.step()      # torch schedulers see (and write) the unscaled LR
-        coupling.scale(next_batch_size)       # the next step runs at schedule LR x factor(next B)
-
-so the LR the optimizer uses is always ``schedule_lr * lr_factor(rule, B, B0)`` and no scheduler has to
-know about batch sizes. :class:`SampleLRSchedule` is an LR schedule keyed on ``samples_seen``, which
-keeps its meaning when the number of samples per step changes. :class:`AdaScaleLR` (with
-:func:`adascale_gain`) scales the LR by AdaScale's gain, which depends on gradient statistics rather than
-on the batch size alone, and counts progress in scale-invariant iterations.
+- :mod:`.coupling`: :class:`LRCoupling` rescales the LR by ``lr_factor(rule, B, B0)`` around every
+  optimizer step, on top of the user's own ``torch.optim.lr_scheduler`` (linear, sqrt, linear-then-sqrt).
+- :mod:`.schedules`: :class:`SampleLRSchedule`, LR schedules keyed on ``samples_seen``.
+- :mod:`.adascale`: AdaScale's gain from gradient statistics (Johnson et al. 2020).
 """
 
 from ._common import LRRule
