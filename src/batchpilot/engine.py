@@ -144,7 +144,7 @@ class Pilot:
         loss_reduction: str = "mean",
         loss_history: int = 50,
         noise_every: int | None = None,
-        system_every: int | None = 10,
+        system_every: int | None = 100,
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:

@@ -134,7 +134,7 @@ class StepMeter:
         device: The training device, for GPU metrics.
     """
 
-    def __init__(self, loss_window: int = 50, system_every: int | None = 10, device: Any = None) -> None:
+    def __init__(self, loss_window: int = 50, system_every: int | None = 100, device: Any = None) -> None:
         self.trend = LossTrend(window=loss_window)
         self.throughput = ThroughputModel()
         self.system_every = system_every
