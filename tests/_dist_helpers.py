@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
 import batchpilot
+from _hf_common import SizeList  # a controller that replays a list of sizes
 
 NUM_SAMPLES = 101
 # Sizes chosen so that epoch ends produce final batches of 1 sample (smaller than the world size),
@@ -28,24 +29,6 @@ def make_data() -> TensorDataset:
 def make_model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(5, 12), torch.nn.Tanh(), torch.nn.Linear(12, 2)).double()
-
-
-class SizeList:
-    """A controller that replays a list of sizes (decided on rank 0 only)."""
-
-    def __init__(self, sizes: list[int]) -> None:
-        self.sizes, self.i = sizes, 0
-
-    def decide(self, obs: batchpilot.Observation) -> int:
-        size = self.sizes[self.i % len(self.sizes)]
-        self.i += 1
-        return size
-
-    def state_dict(self) -> dict:
-        return {"i": self.i}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.i = state["i"]
 
 
 def train(steps: int, rank: int, world_size: int, wrap_ddp: bool, micro: int | None) -> dict:

@@ -56,7 +56,6 @@ def load_benchmark():
 def test_linear_problem_truth_matches_its_definition():
     # The closed form against a Monte Carlo estimate from per-example gradients (float64, 200k samples).
     bench = load_benchmark()
-    import torch
 
     problem = bench.LinearProblem(d=4, delta_norm=1.0, noise_std=0.7, seed=3)
     x, y = problem.sample(200_000)

@@ -285,7 +285,7 @@ class Pilot:
         """Use ``batch_size`` from the next step on (overrides the controller's next decision)."""
         self._override = check_batch_size(batch_size)
         if self._micro is None:  # between steps: apply now
-            self._apply_batch_size(self._override)
+            self.loader.set_batch_size(self._override)
             self._override = None
 
     # ------------------------------------------------------------------ the loop
@@ -565,10 +565,7 @@ class Pilot:
             self.last_decision = decision
             if self._log is not None:
                 self._log.write("decision", decision)
-        self._apply_batch_size(new)
-
-    def _apply_batch_size(self, size: int) -> None:
-        self.loader.set_batch_size(size)
+        self.loader.set_batch_size(new)
 
     def _observation(self, current: int) -> Observation:
         epoch, offset, _ = self.loader.position()

@@ -99,17 +99,11 @@ class GradientNoiseProbe:
         return self.values()
 
     def values(self) -> dict[str, float]:
-        est = self.estimator
-        out: dict[str, float] = {}
-        if est.grad_sq_norm is not None:
-            out["stats/grad_sq_norm"] = est.grad_sq_norm
-        if est.trace_cov is not None:
-            out["stats/trace_cov"] = est.trace_cov
-            out["stats/grad_variance"] = est.trace_cov  # seed 002's sigma_t^2, estimated from micro-batches
-        if est.b_simple is not None:
-            out["stats/noise_scale"] = est.b_simple
-        if est.count:
-            out["stats/noise_count"] = est.count  # measured steps behind the estimate
+        out = self.estimator.metrics()
+        if "stats/trace_cov" in out:
+            out["stats/grad_variance"] = out["stats/trace_cov"]  # seed 002's sigma_t^2, from micro-batches
+        if self.estimator.count:
+            out["stats/noise_count"] = self.estimator.count  # measured steps behind the estimate
         return out
 
     def _grads(self) -> list[torch.Tensor]:
