@@ -128,6 +128,8 @@ def engine_variants(
         # Issue 3: the statistics left on (noise scale every 4th step, loss trend, throughput, system load).
         "Pilot (+ statistics, noise_every=4)": pilot_loop(noise_every=4),
         "Pilot (+ statistics, noise_every=8)": pilot_loop(noise_every=8),
+        "Pilot (+ statistics, noise_every=16)": pilot_loop(noise_every=16),
+        "Pilot (+ statistics, noise_every=32)": pilot_loop(noise_every=32),
     }
 
 

@@ -80,8 +80,8 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def noise_worker(rank: int, world_size: int, init_file: str, out_dir: str, micro) -> None:
-    """Measure the gradient noise scale of a least-squares problem (weights frozen) under DDP."""
+def noise_worker(rank: int, world_size: int, init_file: str, out_dir: str, micro, wrap_ddp: bool = True) -> None:
+    """Measure the gradient noise scale of a least-squares problem (weights frozen), with or without DDP."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -90,13 +90,16 @@ def noise_worker(rank: int, world_size: int, init_file: str, out_dir: str, micro
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         ds, model, true_g2, true_tr = least_squares(n=60_000)
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp = torch.nn.parallel.DistributedDataParallel(model) if wrap_ddp else model
         opt = torch.optim.SGD(ddp.parameters(), lr=0.0)
         pilot = batchpilot.Pilot(ddp, opt, ds, batch_size=256, noise_every=1, max_micro_batch_size=micro)
-        for x, y in pilot.batches(max_steps=1000):  # enough for the EMA (decay 0.99) to settle
+        accumulation = set()
+        # 1000 steps: enough for the EMA (decay 0.99 ** (1 / 4) per measurement) to settle.
+        for x, y in pilot.batches(max_steps=1000):
+            accumulation.add(pilot.micro_batch.accumulation_steps)
             pilot.backward(0.5 * ((ddp(x).view(-1) - y) ** 2).mean())
         out = {k: v for k, v in pilot.last_record.items() if k.startswith("stats/")}
-        out.update(true_g2=true_g2, true_tr=true_tr)
+        out.update(true_g2=true_g2, true_tr=true_tr, accumulation=sorted(accumulation))
         Path(out_dir, f"noise{rank}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()

@@ -42,9 +42,11 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
+from ..measure import DEFAULT_NOISE_EVERY
+
 __all__ = ["ADAPTIVE", "NAMED_SETS", "NOISE_EVERY", "POLICY_HELP", "Policy", "parse_policies", "parse_policy"]
 
-NOISE_EVERY = 4  # gradient-noise measurement period for controllers that read gradient statistics
+NOISE_EVERY = DEFAULT_NOISE_EVERY  # gradient-noise measurement period (the engine's default)
 TUNE_FACTORS = (0.5, 1.0, 2.0)
 LR_RULES = ("none", "linear", "sqrt", "linear-then-sqrt", "adascale")
 ADAPTIVE = ("noise-scale", "goodput", "variance-rule", "threshold-rules")
