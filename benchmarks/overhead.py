@@ -125,7 +125,8 @@ def engine_variants(
         "Pilot (defaults)": pilot_loop(),
         "Pilot (lr_rule=linear, as in bench)": pilot_loop(lr_rule="linear", base_batch_size=32),
         "Pilot (skip_nonfinite=False)": pilot_loop(skip_nonfinite=False),
-        # Issue 3: the statistics left on (noise scale every 4th step, loss trend, throughput, system load).
+        # Issue 3: the statistics left on (noise scale every N-th step, 16 being the engine's default when a
+        # controller needs it; loss trend, throughput, system load).
         "Pilot (+ statistics, noise_every=4)": pilot_loop(noise_every=4),
         "Pilot (+ statistics, noise_every=8)": pilot_loop(noise_every=8),
         "Pilot (+ statistics, noise_every=16)": pilot_loop(noise_every=16),
