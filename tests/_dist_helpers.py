@@ -80,8 +80,12 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def noise_worker(rank: int, world_size: int, init_file: str, out_dir: str, micro, wrap_ddp: bool = True) -> None:
-    """Measure the gradient noise scale of a least-squares problem (weights frozen), with or without DDP."""
+def noise_worker(rank: int, world_size: int, init_file: str, out_dir: str, micro, wrap_ddp: bool = True,
+                 own_hook: bool = False) -> None:
+    """Measure the gradient noise scale of a least-squares problem (weights frozen), with or without DDP
+    (``own_hook``: the user registered a DDP communication hook before batchpilot could)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -91,6 +95,8 @@ def noise_worker(rank: int, world_size: int, init_file: str, out_dir: str, micro
     try:
         ds, model, true_g2, true_tr = least_squares(n=60_000)
         ddp = torch.nn.parallel.DistributedDataParallel(model) if wrap_ddp else model
+        if own_hook:
+            ddp.register_comm_hook(None, allreduce_hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.0)
         pilot = batchpilot.Pilot(ddp, opt, ds, batch_size=256, noise_every=1, max_micro_batch_size=micro)
         accumulation = set()

@@ -80,15 +80,18 @@ def test_example_runs_under_torchrun_and_survives_a_rank_failure(tmp_path):
     assert faulty["weights"] == clean["weights"]
 
 
-@pytest.mark.parametrize(("micro", "wrap_ddp"), [(None, True), (32, True), (None, False)])
-def test_noise_scale_over_two_ranks_matches_the_closed_form(tmp_path, micro, wrap_ddp):
-    mp.spawn(h.noise_worker, args=(2, str(tmp_path / "init"), str(tmp_path), micro, wrap_ddp), nprocs=2, join=True)
+@pytest.mark.parametrize(("micro", "wrap_ddp", "own_hook"),
+                         [(None, True, False), (32, True, False), (None, False, False), (None, True, True)])
+def test_noise_scale_over_two_ranks_matches_the_closed_form(tmp_path, micro, wrap_ddp, own_hook):
+    args = (2, str(tmp_path / "init"), str(tmp_path), micro, wrap_ddp, own_hook)
+    mp.spawn(h.noise_worker, args=args, nprocs=2, join=True)
     r0, r1 = (json.loads((tmp_path / f"noise{r}.json").read_text()) for r in range(2))
     assert r0 == r1
-    # DDP reduces inside the last backward, so a one-micro-batch step is split; without DDP each rank's
-    # own gradient (128 samples) is a small batch for free and no step is split. (With micro-batches of
-    # 32: 4 per rank, 2 at each epoch's last batch of 96 samples.)
-    expected = {(None, True): [2], (32, True): [2, 4], (None, False): [1]}[(micro, wrap_ddp)]
+    # Each rank's own gradient (128 samples) is a small batch for free, read by a DDP communication hook
+    # or before the engine's all-reduce: no step is split. (With micro-batches of 32: 4 per rank, 2 at
+    # each epoch's last batch of 96 samples.) If the user's DDP model has a hook of its own, DDP allows no
+    # second one, and measured steps are split in two instead.
+    expected = [2] if own_hook else {(None, True): [1], (32, True): [2, 4], (None, False): [1]}[(micro, wrap_ddp)]
     assert r0["accumulation"] == expected
     assert r0["stats/grad_sq_norm"] == pytest.approx(r0["true_g2"], rel=0.1)
     assert r0["stats/trace_cov"] == pytest.approx(r0["true_tr"], rel=0.1)

@@ -97,7 +97,8 @@ class Pilot:
             over its micro-batch.
         loss_history: How many recent step losses an :class:`Observation` carries.
         noise_every: Measure the gradient noise scale (McCandlish et al. 2018) on every N-th step, from
-            micro-batch gradients; a step with one micro-batch is split in two on those steps. ``None``:
+            micro-batch gradients and, with several ranks, each rank's gradient (under DDP through a
+            communication hook); on one process a step with one micro-batch is split in two. ``None``:
             every ``DEFAULT_NOISE_EVERY`` (16) steps when the controller reads gradient statistics (its
             ``required_stats``) or ``lr_rule="adascale"``, else never. Measured cost on a small CNN on CPU
             (``benchmarks/overhead.py``): +3% per step at 16, +9% at 8, +18% at 4.
@@ -233,6 +234,9 @@ class Pilot:
         self._noise = GradientNoiseProbe(
             self._params, every=noise_every, ranks_are_small_batches=self.world_size > 1 and not self._ddp
         ) if noise_every else None
+        if self._noise is not None and self._ddp and self.world_size > 1 and not self._noise.attach_ddp(model):
+            logger.info("the DDP model already has a communication hook: measured steps are split in two "
+                        "to measure the gradient noise scale (see docs/statistics.md)")
         self._meter = StepMeter(system_every=system_every, device=self.device)
         if self._noise is not None:
             self.loader.min_accumulation = self._noise.min_accumulation
