@@ -79,9 +79,9 @@ class GradientNoiseProbe:
         def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the annotations: leave them out
             if self.measuring:
                 start = time.perf_counter()
-                grads = list(bucket.gradients())
-                prev = None if self._prev is None else [self._prev[self._index[id(p)]] for p in bucket.parameters()]
-                increment = grads if prev is None else torch._foreach_sub(grads, prev)
+                prev = self._prev
+                index = [self._index.get(id(p)) for p in bucket.parameters()]
+                increment = [g if prev is None or i is None else g - prev[i] for g, i in zip(bucket.gradients(), index)]
                 sq = sum(float(n) ** 2 for n in torch._foreach_norm(increment))
                 self._hook_sq = (self._hook_sq or 0.0) + sq
                 self.seconds += time.perf_counter() - start
