@@ -67,6 +67,21 @@ def record_steps(trainer: AdaptiveBatchSizeTrainer) -> list:
     return steps
 
 
+def sgd_reference(data: PointSet, batches) -> tuple[Recorder, list[float]]:
+    """Plain SGD (lr 0.1) of a fresh Recorder over ``batches`` (lists of sample ids), one full batch per
+    step: the weights and losses an exact adaptive run must reproduce."""
+    reference, losses = Recorder(), []
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for ids in batches:
+        idx = torch.as_tensor(ids)
+        optimizer.zero_grad()
+        loss = reference(data.x[idx], data.y[idx])["loss"]
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    return reference, losses
+
+
 def expected_sizes(first: int, decide, num_samples: int, epochs: int) -> list[int]:
     """Replay a controller by hand: the size of each step, an epoch's last step truncated to what is left."""
     sizes, size, step = [], first, 0
@@ -163,15 +178,7 @@ def test_gradients_equal_a_full_batch_mean_sgd_loop(tmp_path):
     steps = record_steps(trainer)
     trainer.train()
     assert any(s.ghosts for s in steps)
-    reference, losses = Recorder(), []
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for s in steps:
-        idx = torch.as_tensor(s.indices)
-        optimizer.zero_grad()
-        loss = reference(data.x[idx], data.y[idx])["loss"]
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss))
+    reference, losses = sgd_reference(data, [s.indices for s in steps])
     for got, want in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
     assert list(trainer.batchpilot.driver.losses) == pytest.approx(losses, rel=1e-12)  # what a controller sees
@@ -193,15 +200,8 @@ def test_a_loss_normalised_by_num_items_keeps_trainers_item_counting(tmp_path):
     steps = record_steps(trainer)
     trainer.train()
     assert any(s.ghosts for s in steps)
-    reference = Recorder()
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for s in steps:
-        idx = torch.as_tensor(s.indices)
-        optimizer.zero_grad()
-        loss = reference(data.x[idx], data.y[idx])["loss"]
-        loss.backward()
-        optimizer.step()
-    assert trainer.batchpilot.last_loss == pytest.approx(float(loss), rel=1e-12)
+    reference, losses = sgd_reference(data, [s.indices for s in steps])
+    assert trainer.batchpilot.last_loss == pytest.approx(losses[-1], rel=1e-12)
     for got, want in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
 
@@ -417,13 +417,8 @@ def test_torchrun_two_ranks_match_a_single_process_reference(tmp_path):
             per_epoch[s["epoch"]].extend(s["ids"])
     assert sorted(per_epoch) == [0, 1] and all(sorted(ids) == list(range(61)) for ids in per_epoch.values())
     assert ranks[0]["weights"] == ranks[1]["weights"]
-    data, reference = PointSet(61), Recorder()
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for s0, s1 in zip(ranks[0]["steps"], ranks[1]["steps"]):
-        idx = torch.tensor(s0["ids"] + s1["ids"])
-        optimizer.zero_grad()
-        reference(data.x[idx], data.y[idx])["loss"].backward()
-        optimizer.step()
+    global_batches = [s0["ids"] + s1["ids"] for s0, s1 in zip(ranks[0]["steps"], ranks[1]["steps"])]
+    reference, _ = sgd_reference(PointSet(61), global_batches)
     for got, want in zip(ranks[0]["weights"], reference.parameters()):
         torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want.detach(), rtol=0, atol=1e-13)
 
