@@ -48,10 +48,8 @@ def _batch_steps(run: dict[str, Any]) -> tuple[list[float], list[int]]:
 
 def _log2_axis(ax: Any) -> None:
     """Log-2 y axis labelled with plain integers (32, 64, ...) rather than powers of two."""
-    from matplotlib.ticker import FuncFormatter
-
     ax.set_yscale("log", base=2)
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_major_formatter(_int_formatter())
 
 
 
@@ -85,6 +83,18 @@ def _save(fig: Any, path: Path) -> None:
     _pyplot().close(fig)
 
 
+def _finish(fig: Any, ax: Any, path: Path, xlabel: str, ylabel: str, title: str, *, legend: str | None = "best",
+            legend_size: int = 7, grid: str = "both") -> None:
+    """Label the axes, add the grid (``grid``: which ticks) and the legend (``None``: none), and save."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which=grid)
+    if legend is not None:
+        ax.legend(loc=legend, fontsize=legend_size)
+    _save(fig, path)
+
+
 def plot_bench(results: dict[str, Any], out: Path) -> dict[str, Path]:
     """Write the bench plots into ``out``; returns ``{name: path}`` of the files written."""
     plt = _pyplot()
@@ -113,12 +123,8 @@ def plot_bench(results: dict[str, Any], out: Path) -> dict[str, Path]:
     if accs and target is not None:
         # Zoom in on the interesting part: from a bit below the target to the top.
         ax.set_ylim(max(0.0, min(target - 0.25, sorted(accs)[len(accs) // 10])), min(1.0, max(max(accs), target) + 0.01))
-    ax.set_xlabel("training wall time (s, evaluation excluded)")
-    ax.set_ylabel("test accuracy")
-    ax.set_title(f"{workload}: test accuracy vs training time")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=7)
-    _save(fig, paths["accuracy_vs_time"])
+    _finish(fig, ax, paths["accuracy_vs_time"], "training wall time (s, evaluation excluded)", "test accuracy",
+            f"{workload}: test accuracy vs training time", legend="lower right", grid="major")
 
     # Batch size vs training wall time (log scale: the sizes are powers of two apart).
     fig, ax = plt.subplots(figsize=(9, 4.5))
@@ -130,12 +136,8 @@ def plot_bench(results: dict[str, Any], out: Path) -> dict[str, Path]:
                     label=None if label in seen else label)
             seen.add(label)
     _log2_axis(ax)
-    ax.set_xlabel("training wall time (s, evaluation excluded)")
-    ax.set_ylabel("global batch size")
-    ax.set_title(f"{workload}: batch size vs training time")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(loc="best", fontsize=7)
-    _save(fig, paths["batch_size_vs_time"])
+    _finish(fig, ax, paths["batch_size_vs_time"], "training wall time (s, evaluation excluded)", "global batch size",
+            f"{workload}: batch size vs training time")
 
     # Gradient noise scale over training, where it was measured.
     noisy = [(label, run) for label, run in runs if any(p.get("noise_scale") for p in run.get("curve") or [])]
@@ -151,12 +153,8 @@ def plot_bench(results: dict[str, Any], out: Path) -> dict[str, Path]:
                     label=None if label in seen else f"{label}: batch size")
             seen.add(label)
         ax.set_yscale("log")
-        ax.set_xlabel("epochs")
-        ax.set_ylabel("samples")
-        ax.set_title(f"{workload}: gradient noise scale B_simple (McCandlish et al. 2018) and batch size")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(loc="best", fontsize=7)
-        _save(fig, paths["noise_scale"])
+        _finish(fig, ax, paths["noise_scale"], "epochs", "samples",
+                f"{workload}: gradient noise scale B_simple (McCandlish et al. 2018) and batch size")
 
     cal = results.get("calibration")
     if cal and cal.get("sizes"):
@@ -172,12 +170,8 @@ def plot_bench(results: dict[str, Any], out: Path) -> dict[str, Path]:
                     label=f"finder: {pick}")
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(_int_formatter())
-        ax.set_xlabel("global batch size")
-        ax.set_ylabel("samples / s (calibration)")
-        ax.set_title(f"{workload}: throughput vs batch size")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(loc="best", fontsize=8)
-        _save(fig, paths["throughput"])
+        _finish(fig, ax, paths["throughput"], "global batch size", "samples / s (calibration)",
+                f"{workload}: throughput vs batch size", legend_size=8)
     return paths
 
 
@@ -281,13 +275,7 @@ def plot_log(log_path: str | os.PathLike, out_dir: str | os.PathLike, x: str = "
                 _log2_axis(ax)
             else:
                 ax.set_yscale("log")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.set_title(f"{path.name}: {ylabel}")
-        ax.grid(alpha=0.3, which="both")
-        fig.tight_layout()
         target = out / name
-        fig.savefig(target, dpi=110)
-        plt.close(fig)
+        _finish(fig, ax, target, xlabel, ylabel, f"{path.name}: {ylabel}", legend=None)
         paths.append(target)
     return paths
