@@ -339,3 +339,45 @@ def test_mnist1d_generation_and_cache(tmp_path, monkeypatch):
     assert test.tensors[1].shape == (200,) and test.tensors[1].dtype == torch.int64
     logits = mnist1d_cnn(0)(train.tensors[0][:4])
     assert logits.shape == (4, 10)
+
+
+# ----------------------------------------------------------------------------- critical batch (McCandlish fit)
+def _epochs_summary(points: dict[str, float]) -> dict[str, dict[str, float]]:
+    return {name: {"median_epochs_to_target": e} for name, e in points.items()}
+
+
+def _noise_run(values: list[tuple[float, float]], reached: float | None) -> dict:
+    return {"epochs_to_target": reached, "curve": [{"epochs": e, "noise_scale": n} for e, n in values]}
+
+
+def test_critical_batch_recovers_mccandlish_line_and_compares_b_simple():
+    from batchpilot.bench.report import critical_batch_lines
+    from batchpilot.bench.summary import critical_batch
+
+    # E = 10 (1 + B / 500) exactly; a static:128 at the rule LR loses to the tuned cell of the same size.
+    exact = {f"tuned-static:{b}": 10 * (1 + b / 500) for b in (64, 128, 256, 512)}
+    summary = _epochs_summary({**exact, "static:128": 99.0, "noise-scale": 3.0, "tuned-static:1024": None})
+    runs = [
+        _noise_run([(1.0, 100.0), (3.0, 250.0), (5.0, 900.0)], reached=3.0),  # 250 at its target
+        _noise_run([(0.5, None), (2.0, 300.0)], reached=2.5),                  # 300
+        _noise_run([(1.0, 50.0)], reached=None),                               # missed: not counted
+        {"epochs_to_target": 4.0, "curve": [{"epochs": 1.0, "noise_scale": None}]},  # never measured
+    ]
+    cb = critical_batch(summary, runs)
+    assert [b for b, _ in cb["points"]] == [64, 128, 256, 512]
+    assert cb["points"][1][1] == pytest.approx(10 * (1 + 128 / 500))
+    assert cb["epochs_min"] == pytest.approx(10.0) and cb["b_crit"] == pytest.approx(500.0)
+    assert cb["b_simple_at_target"] == pytest.approx(275.0) and cb["runs_with_noise"] == 2
+    assert cb["ratio"] == pytest.approx(500 / 275)
+    text = "\n".join(critical_batch_lines({"critical_batch": cb}))
+    assert "B_crit = 500" in text and "B_crit / B_simple = **1.8**" in text
+
+
+def test_critical_batch_says_why_there_is_no_fit():
+    from batchpilot.bench.summary import critical_batch
+
+    flat = critical_batch(_epochs_summary({"static:64": 5.0, "static:128": 5.0, "static:256": 4.0}), [])
+    assert flat["b_crit"] is None and "beyond 256" in flat["note"] and flat["b_simple_at_target"] is None
+    two = critical_batch(_epochs_summary({"static:64": 5.0, "static:128": 6.0}), [])
+    assert two["b_crit"] is None and "needs 3" in two["note"]
+    assert critical_batch({}, [])["points"] == []

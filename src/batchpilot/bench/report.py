@@ -89,6 +89,27 @@ def targets_lines(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def critical_batch_lines(results: dict[str, Any]) -> list[str]:
+    """The Markdown section on the critical batch the static grid implies (empty without static runs)."""
+    cb = results.get("critical_batch") or {}
+    if not cb.get("points"):
+        return []
+    pts = ", ".join(f"{b}: {e:.2f}" for b, e in cb["points"])
+    lines = ["## Critical batch implied by the static grid", "",
+             f"Median epochs to target per static batch size (tuned LR where tuned): {pts}."]
+    if cb.get("b_crit") is None:
+        lines.append(f"No fit: {cb.get('note')}.")
+    else:
+        lines.append(f"Least-squares fit of McCandlish et al.'s E = E_min (1 + B / B_crit): E_min = "
+                     f"{cb['epochs_min']:.2f} epochs, **B_crit = {cb['b_crit']:.0f}** (twice the minimum samples).")
+    if cb.get("b_simple_at_target") is not None:
+        lines.append(f"Median B_simple measured when the target was reached ({cb['runs_with_noise']} runs): "
+                     f"{cb['b_simple_at_target']:.0f}" + ("" if cb.get("ratio") is None else
+                     f"; B_crit / B_simple = **{cb['ratio']:.1f}** (NoiseScale and Goodput aim at B_simple "
+                     "x factor, default factor 1)") + ".")
+    return lines + [""]
+
+
 def _grid_table(results: dict[str, Any]) -> list[str]:
     tuned = {n: s for n, s in results["summary"].items() if s.get("grid")}
     if not tuned:
@@ -145,6 +166,7 @@ def _markdown(results: dict[str, Any], plots: dict[str, Path]) -> str:
         format_table(results, markdown=True),
         "",
         *_grid_table(results),
+        *critical_batch_lines(results),
     ]
     for key, title in (("accuracy_vs_time", "accuracy vs time"), ("batch_size_vs_time", "batch size vs time"),
                        ("noise_scale", "noise scale over training")):

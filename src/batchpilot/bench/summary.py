@@ -12,7 +12,7 @@ import re
 import statistics
 from typing import Any, Mapping, Sequence
 
-__all__ = ["ACCURACY_SLACK", "evaluate_targets", "finish_results", "grid_search_cost", "summarize"]
+__all__ = ["ACCURACY_SLACK", "critical_batch", "evaluate_targets", "finish_results", "grid_search_cost", "summarize"]
 
 ACCURACY_SLACK = 0.003  # target (a): final accuracy no lower than the best static's minus 0.3 points
 ADAPTIVE = ("noise-scale", "goodput", "variance-rule", "threshold-rules")
@@ -221,9 +221,72 @@ def evaluate_targets(summary: Mapping[str, Any], best_static: str | None, grid: 
     return out
 
 
+def _static_epochs(summary: Mapping[str, Any]) -> dict[int, float]:
+    """``{batch: median epochs to target}`` of the static policies, a tuned one preferred per size."""
+    points: dict[int, tuple[bool, float]] = {}
+    for name, s in summary.items():
+        m = re.fullmatch(r"(tuned-)?static:(\d+)", name)
+        epochs = s.get("median_epochs_to_target")
+        if m is None or epochs is None:
+            continue
+        size, tuned = int(m.group(2)), m.group(1) is not None
+        if size not in points or (tuned and not points[size][0]):
+            points[size] = (tuned, float(epochs))
+    return {b: e for b, (_, e) in sorted(points.items())}
+
+
+def _noise_at_target(runs: Sequence[Mapping[str, Any]]) -> list[float]:
+    """Per run that measured it: the last B_simple recorded at or before the run reached the target."""
+    values = []
+    for r in runs:
+        reached = r.get("epochs_to_target")
+        if reached is None:
+            continue
+        seen = [p["noise_scale"] for p in r.get("curve", [])
+                if p.get("noise_scale") is not None and p.get("epochs", math.inf) <= reached + 1e-9]
+        if seen:
+            values.append(float(seen[-1]))
+    return values
+
+
+def critical_batch(summary: Mapping[str, Any], runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The critical batch the static grid implies, beside the noise scale the runs measured.
+
+    McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training") model the samples
+    needed to reach a target at batch B as ``E = E_min (1 + B / B_crit)``: linear in B, so a least-squares
+    line ``E = a + b B`` through the static policies' (batch, median epochs to target) gives
+    ``E_min = a`` and ``B_crit = a / b`` (at B_crit a run needs twice the minimum samples). Their
+    prediction is ``B_crit ~ B_noise``, approximated by ``B_simple``; ``ratio`` compares the fitted
+    B_crit with the median ``B_simple`` the runs had measured when they reached the target, so it says how
+    far a ``NoiseScale`` or ``Goodput`` controller, which trust ``B_simple``, aim from the critical batch
+    on this workload. ``b_crit`` is ``None`` (with ``note``) when fewer than three static sizes reached
+    the target or the epochs do not rise with the batch within the grid.
+    """
+    points = _static_epochs(summary)
+    noise = _noise_at_target(runs)
+    out: dict[str, Any] = {"points": [[b, e] for b, e in points.items()], "epochs_min": None, "b_crit": None,
+                           "b_simple_at_target": statistics.median(noise) if noise else None,
+                           "runs_with_noise": len(noise), "ratio": None, "note": None}
+    if len(points) < 3:
+        out["note"] = f"{len(points)} static sizes reached the target; the fit needs 3"
+        return out
+    xs, ys = list(points), list(points.values())
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    intercept = my - slope * mx
+    if slope <= 0 or intercept <= 0:
+        out["note"] = (f"epochs to target do not rise with the batch within the grid (fit {intercept:.2f} + "
+                       f"{slope:.2g} B): the critical batch lies beyond {max(xs)}")
+        return out
+    out["epochs_min"], out["b_crit"] = intercept, intercept / slope
+    if out["b_simple_at_target"]:
+        out["ratio"] = out["b_crit"] / out["b_simple_at_target"]
+    return out
+
+
 def finish_results(results: dict[str, Any]) -> dict[str, Any]:
-    """(Re)compute ``summary``, ``best_static``, ``grid_search_total_s``, ``untuned_default`` and
-    ``targets`` from ``runs`` (in place; also returns ``results``)."""
+    """(Re)compute ``summary``, ``best_static``, ``grid_search_total_s``, ``untuned_default``, ``targets``
+    and ``critical_batch`` from ``runs`` (in place; also returns ``results``)."""
     runs = results["runs"]
     policies = results.get("config", {}).get("policies") or list(dict.fromkeys(r["policy"] for r in runs))
     members = results.get("members")
@@ -245,4 +308,5 @@ def finish_results(results: dict[str, Any]) -> dict[str, Any]:
         "best_adaptive": ba, "speedup_of_best_adaptive": None if not (ut and bt) else ut / bt,
         "ratio_vs_best_static": summary[untuned]["ratio_vs_best_static"],
     }
+    results["critical_batch"] = critical_batch(summary, runs)
     return results

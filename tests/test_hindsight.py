@@ -1,0 +1,69 @@
+"""benchmarks/hindsight.py: its schedules, its recipe reader, and a run on a tiny budget (no speed asserted)."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("hindsight_benchmark", REPO / "benchmarks" / "hindsight.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_schedules_hold_the_lr_and_change_the_batch_where_told(bench):
+    specs = bench.make_specs(512, 0.16, 12.5, warm=0.08, anneal=0.5, max_size=4096)
+    assert set(specs) == set(bench.VARIANTS)
+    for spec in specs.values():
+        assert (spec.lr_rule, spec.optimizer_lr, spec.lr) == ("none", 0.16, 0.16)
+    assert specs["static"].make_controller(100) is None and specs["static"].batch_size == 512
+    warm = specs["warm-start"].make_controller(100)
+    assert specs["warm-start"].batch_size == 128 and (warm.boundaries, warm.sizes) == ([1.0], [128, 512])
+    anneal = specs["anneal"].make_controller(100)
+    assert (anneal.boundaries, anneal.sizes) == ([6.25], [512, 1024])
+    both = specs["warm+anneal"].make_controller(100)
+    assert (both.boundaries, both.sizes, both.key) == ([1.0, 6.25], [128, 512, 1024], "epoch")
+    goodput = specs["goodput"].make_controller(100)
+    assert (goodput.min_size, goodput.max_size, specs["goodput"].noise_every) == (32, 4096, 16)
+
+
+def test_recipe_comes_from_a_bench_results_file(bench, tmp_path):
+    good = tmp_path / "results.json"
+    good.write_text(json.dumps({"workload": "digits", "best_static": {
+        "chosen": "static:128@lr=0.004", "lr": 0.004, "median_epochs_to_target": 1.25}}))
+    assert bench.recipe_from_results(good) == {"workload": "digits", "batch": 128, "lr": 0.004, "epochs": 1.25}
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(SystemExit, match="bad.json.*batchpilot bench"):
+        bench.recipe_from_results(bad)
+
+
+def test_runs_on_a_tiny_budget(bench, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", [
+        "hindsight.py", "--workload", "synthetic", "--batch", "64", "--lr", "0.02", "--epochs", "2",
+        "--variants", "static,warm+anneal,goodput", "--seeds", "0", "--budget", "1.5", "--threads", "1",
+        "--out", str(out)])
+    bench.main()
+    result = json.loads((out / "hindsight.json").read_text())
+    assert [r["variant"] for r in result["runs"]] == ["static", "warm+anneal", "goodput"]
+    assert result["runs"][1]["batch_sizes"][0][1] == 16  # B/4 first
+    static = result["summary"]["static"]
+    if static["median_time_to_target_s"] is not None:
+        assert static["ratio_vs_static"] == pytest.approx(1.0)
+    pytest.importorskip("matplotlib")
+    assert (out / "hindsight.png").stat().st_size > 0
+
+
+def test_static_is_required(bench, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["hindsight.py", "--workload", "synthetic", "--batch", "64", "--lr", "0.02",
+                                      "--epochs", "2", "--variants", "anneal"])
+    with pytest.raises(SystemExit):
+        bench.main()
