@@ -61,6 +61,20 @@ class SizeList:
         self.i = state["i"]
 
 
+class StatsSpy(SizeList):
+    """Replays ``sizes`` and records the statistics every decision saw; it reads the noise scale."""
+
+    required_stats = ("stats/noise_scale",)
+
+    def __init__(self, sizes: list[int]) -> None:
+        super().__init__(sizes)
+        self.seen_stats: list[dict] = []
+
+    def decide(self, obs):
+        self.seen_stats.append(dict(obs.stats))
+        return super().decide(obs)
+
+
 VOCAB = ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "good", "great", "fine", "nice", "bad", "awful", "poor", "sad",
          "the", "a", "movie", "film", "was", "is", "very", "plot", "acting", "story", "quite", "really"]
 

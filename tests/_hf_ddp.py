@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from _hf_common import PointSet, Recorder, SizeList
+from _hf_common import PointSet, Recorder, SizeList, StatsSpy
 from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -30,6 +30,8 @@ from batchpilot.integrations.hf import AdaptiveBatchSizeTrainer
 # Sizes include 1 (smaller than world size x accumulation: ghost micro-batches) and an epoch tail of 1.
 SIZES = [3, 7, 1, 12, 5, 9, 2, 20, 4, 11]
 NUM_SAMPLES = 61
+# --noise: every step measured; sizes that are multiples of world size x accumulation (no ghosts), 64 samples.
+NOISE_SIZES, NOISE_SAMPLES = [8, 12, 4, 16], 64
 
 
 def main() -> None:
@@ -39,6 +41,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--save-steps", type=int, default=0)
     parser.add_argument("--epochs", type=float, default=2)
+    parser.add_argument("--noise", action="store_true", help="measure the noise scale on every step")
     opts = parser.parse_args()
     if os.environ.get("BATCHPILOT_INIT_TORCHRUN"):
         from batchpilot.distributed import init_torchrun
@@ -52,9 +55,14 @@ def main() -> None:
         dataloader_num_workers=opts.workers, learning_rate=0.1, optim="sgd", lr_scheduler_type="constant",
         weight_decay=0.0, max_grad_norm=0.0, seed=3, ddp_find_unused_parameters=False,
     )
-    trainer = AdaptiveBatchSizeTrainer(
-        batch_size_scheduler=SizeList(SIZES), model=model, args=args, train_dataset=PointSet(NUM_SAMPLES),
-    )
+    if opts.noise:
+        controller = StatsSpy(NOISE_SIZES)
+        trainer = AdaptiveBatchSizeTrainer(batch_size_scheduler=controller, model=model, args=args, noise_every=1,
+                                           train_dataset=PointSet(NOISE_SAMPLES))
+    else:
+        controller = SizeList(SIZES)
+        trainer = AdaptiveBatchSizeTrainer(batch_size_scheduler=controller, model=model, args=args,
+                                           train_dataset=PointSet(NUM_SAMPLES))
     steps: list[dict] = []
 
     class Record(TrainerCallback):
@@ -78,6 +86,8 @@ def main() -> None:
         "weights": [p.detach().tolist() for p in model.parameters()],
         "global_step": trainer.state.global_step,
         "resumed_from": resume,
+        "micro": model.seen,  # sample ids of every training forward (micro-batch), in order
+        "stats": getattr(controller, "seen_stats", None),  # what rank 0's controller saw (--noise)
     }
     Path(opts.out).mkdir(parents=True, exist_ok=True)
     Path(opts.out, f"rank{rank}.json").write_text(json.dumps(out))

@@ -29,7 +29,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from _hf_common import PointSet, Recorder, SentimentText, SizeList, tiny_bert
+from _hf_common import PointSet, Recorder, SentimentText, SizeList, StatsSpy, tiny_bert
 from transformers import TrainerCallback, TrainingArguments
 
 from batchpilot.controllers import LinearIncrease, linear_increase_scheduler
@@ -288,6 +288,92 @@ def test_bf16_autocast_on_cpu(tmp_path):
     assert [s.global_size for s in steps] == [4, 6, 10, 6, 10, 4] and math.isfinite(result.training_loss)
 
 
+# --------------------------------------------------------------------------------------------- gradient statistics
+def flat_grad(model: Recorder, data: PointSet, ids: list[int]) -> torch.Tensor:
+    model.zero_grad()
+    idx = torch.as_tensor(ids)
+    model(data.x[idx], data.y[idx])["loss"].backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()]).clone()
+
+
+def test_noise_scale_comes_from_the_micro_batches_exactly(tmp_path):
+    """Every step measured: what the controller sees equals McCandlish et al.'s two-batch estimate computed by
+    hand from the same micro-batches (small) and the whole step (big) along a plain SGD replay (float64)."""
+    from batchpilot.stats import NoiseScaleEstimator
+
+    data, model = PointSet(64), Recorder()
+    spy = StatsSpy([12, 9, 15, 6])
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=spy, model=model, train_dataset=data, noise_every=1,
+        args=quiet_args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=3, num_train_epochs=1,
+                        **exact_sgd()),
+    )
+    steps = record_steps(trainer)
+    trainer.train()
+
+    reference = Recorder()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    estimator = NoiseScaleEstimator(ema_decay=0.99 ** (1 / 4))  # the probe's decay at noise_every=1
+    micro = [model.seen[i:i + 3] for i in range(0, len(model.seen), 3)]  # 3 forwards (micro-batches) a step
+    assert [sum(map(len, m)) for m in micro] == [s.global_size for s in steps]
+    for k, parts in enumerate(micro):
+        small = [flat_grad(reference, data, ids) for ids in parts]
+        big = flat_grad(reference, data, [i for ids in parts for i in ids])
+        sizes = [len(ids) for ids in parts]
+        estimator.update(len(sizes) / sum(1 / n for n in sizes), sum(float(g @ g) for g in small) / len(sizes),
+                         sum(sizes), float(big @ big))
+        want, got = estimator.metrics(), spy.seen_stats[k]
+        for key in ("stats/noise_scale", "stats/grad_sq_norm", "stats/trace_cov"):
+            assert (key in got) == (key in want)
+            if key in want:
+                assert got[key] == pytest.approx(want[key], rel=1e-9), (k, key)
+        assert got["stats/noise_count"] == k + 1 and "perf/micro_time_b_s" in got  # the throughput model too
+        optimizer.step()  # reference.grad holds the big batch's gradient
+    assert "stats/noise_scale" in spy.seen_stats[-1]
+
+
+def test_noise_scale_controller_trains_logs_and_resumes(tmp_path):
+    """NoiseScale in the Trainer (default period: every 16th step): it decides from measured statistics, the
+    log carries noise_scale, and the estimator's state is in each checkpoint."""
+    from batchpilot.controllers import NoiseScale
+
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=NoiseScale(min_size=4, max_size=64, interval=8, min_measurements=2),
+        model=Recorder(), train_dataset=PointSet(400),
+        args=quiet_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, num_train_epochs=3,
+                        logging_steps=5, save_strategy="epoch", **exact_sgd()),
+    )
+    steps = record_steps(trainer)
+    trainer.train()
+    assert trainer.batchpilot.stats.probe.every == 16
+    assert trainer.batchpilot.stats.probe.estimator.count == math.ceil(len(steps) / 16)
+    assert len({s.global_size for s in steps}) > 1  # it acted on the measurements
+    assert any("noise_scale" in h for h in trainer.state.log_history)
+    checkpoints = sorted(tmp_path.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    state = json.loads((checkpoints[-1] / "batchpilot_state.json").read_text())
+    assert state["stats"]["probe"]["estimator"]["count"] == trainer.batchpilot.stats.probe.estimator.count
+
+    resumed = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=NoiseScale(min_size=4, max_size=64, interval=8, min_measurements=2),
+        model=Recorder(), train_dataset=PointSet(400),
+        args=quiet_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, num_train_epochs=3,
+                        save_strategy="no", **exact_sgd()),
+    )
+    resumed.train(resume_from_checkpoint=str(checkpoints[0]))
+    assert resumed.batchpilot.stats.probe.estimator.count == trainer.batchpilot.stats.probe.estimator.count
+
+
+def test_gradient_statistics_need_a_small_batch(tmp_path):
+    from batchpilot.controllers import NoiseScale
+
+    with pytest.raises(ValueError, match="gradient_accumulation_steps >= 2"):
+        AdaptiveBatchSizeTrainer(batch_size_scheduler=NoiseScale(), model=Recorder(), train_dataset=PointSet(20),
+                                 args=quiet_args(tmp_path, per_device_train_batch_size=4))
+    with pytest.raises(ValueError, match="noise_every"):
+        AdaptiveBatchSizeTrainer(model=Recorder(), train_dataset=PointSet(20), noise_every=0,
+                                 args=quiet_args(tmp_path, gradient_accumulation_steps=2))
+
+
 # --------------------------------------------------------------------------------------------- resume
 @pytest.mark.parametrize("save, workers_after", [("steps", 0), ("steps", 2), ("epoch", 0)])
 def test_resume_from_checkpoint_is_exact(tmp_path, save, workers_after):
@@ -421,6 +507,36 @@ def test_torchrun_two_ranks_match_a_single_process_reference(tmp_path):
     reference, _ = sgd_reference(PointSet(61), global_batches)
     for got, want in zip(ranks[0]["weights"], reference.parameters()):
         torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want.detach(), rtol=0, atol=1e-13)
+
+
+@pytest.mark.distributed
+def test_torchrun_noise_scale_from_the_ranks_and_micro_batches(tmp_path):
+    """2 gloo ranks x 2 micro-batches, every step measured: the four micro-batches of a step are the small
+    batches (each rank's last one read inside DDP's all-reduce by the communication hook), the step the big
+    one; what rank 0's controller saw equals the estimate computed by hand along a plain SGD replay."""
+    from batchpilot.stats import NoiseScaleEstimator
+
+    ranks = torchrun(tmp_path / "noise", "--noise")
+    data, steps = PointSet(64), ranks[0]["steps"]
+    assert ranks[0]["weights"] == ranks[1]["weights"] and len(ranks[0]["stats"]) == len(steps)
+    reference = Recorder()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    estimator = NoiseScaleEstimator(ema_decay=0.99 ** (1 / 4))
+    for k, step in enumerate(steps):
+        parts = [ids for r in ranks for ids in r["micro"][2 * k:2 * k + 2]]  # 2 forwards per rank per step
+        assert sum(map(len, parts)) == step["size"]
+        small = [flat_grad(reference, data, ids) for ids in parts]
+        big = flat_grad(reference, data, [i for ids in parts for i in ids])
+        sizes = [len(ids) for ids in parts]
+        estimator.update(len(sizes) / sum(1 / n for n in sizes), sum(float(g @ g) for g in small) / len(sizes),
+                         sum(sizes), float(big @ big))
+        want, got = estimator.metrics(), ranks[0]["stats"][k]
+        for key in ("stats/noise_scale", "stats/grad_sq_norm", "stats/trace_cov"):
+            assert (key in got) == (key in want)
+            if key in want:
+                assert got[key] == pytest.approx(want[key], rel=1e-9), (k, key)
+        optimizer.step()
+    assert "stats/noise_scale" in ranks[0]["stats"][-1]
 
 
 @pytest.mark.distributed

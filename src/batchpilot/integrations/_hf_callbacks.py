@@ -48,9 +48,11 @@ class BatchpilotCallback(TrainerCallback):
         trainer, run = self.trainer, self.trainer.batchpilot
         if run is None:
             return
-        run.end_step()
+        loss = run.end_step()
         state.epoch = run.virtual_epoch  # logged as `epoch`: passes over the data by samples (seed 003)
-        stats = {} if trainer._bp_grad_norm is None else {"grad/norm": trainer._bp_grad_norm}
+        stats = {} if run.stats is None else run.stats.end_step(run.driver.step, loss)
+        if trainer._bp_grad_norm is not None:
+            stats["grad/norm"] = trainer._bp_grad_norm
         run.decide(stats)
         if run.total_samples is not None and run.samples_seen >= run.total_samples and not control.should_training_stop:
             # num_train_epochs reached: stop as Trainer does at max_steps (final save/eval on a steps strategy).

@@ -77,6 +77,7 @@ class HFRun:
         self.last_loss: float | None = None
         self.step_lr_factor = 1.0  # the LR coupling factor the last optimizer step ran with
         self._loss: torch.Tensor | float = 0.0
+        self.stats: Any = None  # an HFStats when the controller reads gradient statistics
 
     # ------------------------------------------------------------------ progress (read by logs and users)
     @property
@@ -187,6 +188,7 @@ class HFRun:
             "driver": self.driver.state_dict(),
             "coupling": None if self.coupling is None else self.coupling.state_dict(),
             "world_size": self.world_size,
+            "stats": None if self.stats is None else self.stats.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -194,3 +196,5 @@ class HFRun:
         self.loader.load_state_dict(state["loader"])
         self.driver.load_state_dict(state["driver"])
         self._coupling_state = state.get("coupling")
+        if self.stats is not None and state.get("stats") is not None:
+            self.stats.load_state_dict(state["stats"])

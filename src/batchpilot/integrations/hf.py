@@ -56,8 +56,11 @@ from transformers.trainer_utils import (
 )
 
 from ..data.loader import AdaptiveDataLoader
+from .._validation import check_positive_int
+from ..controllers.base import needs_gradient_stats
 from ._driver import SizeDriver
 from ._hf_callbacks import BatchpilotCallback, SampleProgressCallback
+from ._hf_stats import HFStats, check_measurable
 from ._hf_parts import (
     SampleLambdaLR,
     TrainLoader,
@@ -89,14 +92,21 @@ class AdaptiveBatchSizeTrainer(Trainer):
             the LR is multiplied by this function of ``B / B0`` (B0: the first step's size), on top of the
             LR schedule (see :mod:`batchpilot.lr`).
         lr_knee: Knee of ``"linear-then-sqrt"``.
+        noise_every: Measure the gradient noise scale (McCandlish et al. 2018) on every N-th step. Default:
+            every 16th step when the scheduler reads gradient statistics (``NoiseScale``, ``Goodput``,
+            ``VarianceRule``, ``ThresholdRules``), else never. The small batches are the micro-batches of a
+            step and the ranks (no extra computation), so one process needs ``gradient_accumulation_steps
+            >= 2``; the statistics reach the scheduler in ``Observation.stats`` (``stats/*``, ``perf/*``).
 
     Attributes:
         batchpilot: The :class:`HFRun` of the current (or last) ``train()`` call: ``batch_size`` (next
             step), ``samples_seen``, ``epoch``, ``coverage``, ``virtual_epoch``, ``last_step`` (a
-            :class:`StepRecord`), ``driver.last_decision``. ``None`` before training.
+            :class:`StepRecord`), ``driver.last_decision``, ``stats`` (the gradient statistics, or
+            ``None``). ``None`` before training.
 
     Raises:
-        ValueError: a training argument this trainer cannot honour (the message names it and the fix).
+        ValueError: a training argument this trainer cannot honour (the message names it and the fix), or
+            a scheduler that reads gradient statistics with one process and ``gradient_accumulation_steps=1``.
     """
 
     def __init__(
@@ -109,6 +119,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
         on_invalid: str = "raise",
         lr_rule: str | Callable[[float], float] = "none",
         lr_knee: int = 4096,
+        noise_every: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -119,7 +130,13 @@ class AdaptiveBatchSizeTrainer(Trainer):
             decide_every=decide_every, on_invalid=on_invalid,
         )
         self._bp_lr = (lr_rule, lr_knee)
-        self._new_driver(num_samples=1)  # validate the settings now, not at train() time
+        driver = self._new_driver(num_samples=1)  # validate the settings now, not at train() time
+        if noise_every is not None:
+            check_positive_int(noise_every, "noise_every")
+        self._bp_noise_every = noise_every
+        self._bp_measure = noise_every is not None or needs_gradient_stats(driver.controller)
+        if self._bp_measure:
+            check_measurable(self.data_parallel_size, self.args.gradient_accumulation_steps)
         from ..lr import lr_factor
 
         lr_factor(lr_rule, 1, 1, lr_knee)  # validates the rule
@@ -212,6 +229,9 @@ class AdaptiveBatchSizeTrainer(Trainer):
             lr_knee=self._bp_lr[1],
         )
         run.driver.min_useful = self.data_parallel_size * args.gradient_accumulation_steps
+        if self._bp_measure:
+            run.stats = HFStats([p for p in self.model.parameters() if p.requires_grad], world_size=self.data_parallel_size,
+                                accumulation_steps=args.gradient_accumulation_steps, every=self._bp_noise_every)
         if self._bp_resume is not None:
             run.load_state_dict(read_state(self._bp_resume))
         self.batchpilot = run
@@ -306,6 +326,9 @@ class AdaptiveBatchSizeTrainer(Trainer):
                 "the training loop and the loader disagree on gradient_accumulation_steps."
             )
         self._bp_divisors = run.begin_step(micro)
+        if run.stats is not None:
+            run.stats.attach(self.model_wrapped)  # DDP exists by now (Trainer wraps after on_train_begin)
+            run.stats.begin_step(run.driver.step, [m.size for m in micro], micro[0].global_size)
         data = [m.data for m in micro]
         if not self._loss_owns_scaling():
             return data, None  # the divisors weight each micro-batch (training_step)
@@ -325,14 +348,22 @@ class AdaptiveBatchSizeTrainer(Trainer):
         if run is not None and self._bp_divisors and not self._loss_owns_scaling():
             # Trainer divides the loss by this number: B / (W * n) gives weight n / B per sample share.
             self.current_gradient_accumulation_steps = self._bp_divisors.pop(0)
+        if run is not None and run.stats is not None:
+            run.stats.begin_micro()
         loss = super().training_step(model, inputs, num_items_in_batch)
         if run is not None:
             run.add_loss(loss)
+            if run.stats is not None:
+                scaler = getattr(self.accelerator, "scaler", None)  # fp16: .grad holds the scaled gradient
+                run.stats.after_micro(float(scaler.get_scale()) if scaler is not None else 1.0)
         return loss
 
     def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
         value = super()._get_grad_norm(model, grad_norm=grad_norm)
         self._bp_grad_norm = float(value) if value is not None else None
+        run = self.batchpilot
+        if run is not None and run.stats is not None:
+            run.stats.reduced(self._bp_grad_norm)  # the step's reduced gradient, before clipping
         return value
 
     # ------------------------------------------------------------------ logs and checkpoints
@@ -346,6 +377,9 @@ class AdaptiveBatchSizeTrainer(Trainer):
             logs["samples_seen"] = run.samples_seen
             if run.coupling is not None:
                 logs["lr_factor"] = run.step_lr_factor  # of the last step (logged learning_rate is unscaled)
+            noise = None if run.stats is None else run.stats.stats.get("stats/noise_scale")
+            if noise is not None:
+                logs["noise_scale"] = round(noise, 3)  # B_simple (McCandlish et al. 2018), samples
         if run is not None and "train_runtime" in logs and logs["train_runtime"] > 0:
             seen = run.samples_seen - self._bp_seen_at_start
             logs["train_samples_per_second"] = round(seen / logs["train_runtime"], 3)

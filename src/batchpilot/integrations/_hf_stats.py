@@ -1,0 +1,121 @@
+"""Gradient statistics inside ``transformers.Trainer``: what `Pilot` measures, for `AdaptiveBatchSizeTrainer`.
+
+Trainer runs ``gradient_accumulation_steps`` micro-batches per optimizer step on each rank and reduces the
+gradients over ranks in the last one (DDP). The micro-batches and the ranks are the small batches of
+McCandlish et al.'s two-batch noise-scale estimate (``batchpilot.measure.GradientNoiseProbe``, the same
+probe as ``Pilot``'s): the ``.grad`` increment of every micro-batch before the reduction, with the last
+micro-batch's read by a DDP communication hook; the step's reduced gradient (whose norm Trainer computes
+for clipping and logging anyway) is the big one. Trainer's loop cannot split a step, so one process with a
+single micro-batch per step has no small batch: that setting is refused for controllers that need the
+statistics, naming the fix. Per-micro-batch times feed the throughput model (``perf/*``) as in ``Pilot``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from .. import distributed as bpdist
+from ..measure import DEFAULT_NOISE_EVERY, GradientNoiseProbe, StepMeter
+
+logger = logging.getLogger("batchpilot")
+
+
+def check_measurable(world_size: int, accumulation_steps: int) -> None:
+    """Raise unless a step has a small batch to compare with (several micro-batches or several ranks)."""
+    if world_size == 1 and accumulation_steps == 1:
+        raise ValueError(
+            "the batch size controller reads gradient statistics (the noise scale), which need two batch "
+            "sizes per measured step, but this run has one process and gradient_accumulation_steps=1; set "
+            "gradient_accumulation_steps >= 2 (each micro-batch is then a small batch, at no extra cost) "
+            "or train on >= 2 ranks."
+        )
+
+
+class HFStats:
+    """Measures the gradient noise scale and the step meters for one rank of a Trainer run.
+
+    Args:
+        params: The model's trainable parameters.
+        world_size: Data-parallel ranks.
+        accumulation_steps: Micro-batches per step on each rank (``gradient_accumulation_steps``).
+        every: Measure the noise scale on every ``every``-th step (``None``: ``DEFAULT_NOISE_EVERY``).
+
+    Raises:
+        ValueError: one process with one micro-batch per step (no small batch to compare with).
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], *, world_size: int, accumulation_steps: int,
+                 every: int | None = None) -> None:
+        check_measurable(world_size, accumulation_steps)
+        self.world_size = world_size
+        self.probe = GradientNoiseProbe(params, every=every or DEFAULT_NOISE_EVERY, ranks_are_small_batches=True)
+        self.meter = StepMeter()
+        self._hooked = False
+        self._sizes: list[int] = []
+        self._global = 0
+        self._started = 0.0
+        self._micro_started = 0.0
+        self._stats: dict[str, float] = {}
+
+    def attach(self, wrapped_model: Any) -> None:
+        """Under DDP, read the last micro-batch's local gradient in DDP's all-reduce (once per run)."""
+        if self._hooked or self.world_size == 1 or not isinstance(wrapped_model, torch.nn.parallel.DistributedDataParallel):
+            return
+        self._hooked = self.probe.attach_ddp(wrapped_model)
+        if not self._hooked:
+            logger.warning("the DDP model already has a communication hook: the last micro-batch of each rank is "
+                           "not measured, so the noise scale rests on the other micro-batches (see docs/statistics.md)")
+
+    def begin_step(self, step: int, local_sizes: list[int], global_size: int) -> None:
+        """A step of ``global_size`` samples starts; this rank's micro-batches hold ``local_sizes``."""
+        self._sizes, self._global = list(local_sizes), global_size
+        self._started = time.perf_counter()
+        self.probe.begin_step(step)
+
+    def begin_micro(self) -> None:
+        self._micro_started = time.perf_counter()
+
+    def after_micro(self, scale: float = 1.0) -> None:
+        """One micro-batch's backward is done. Its loss was weighted ``W n / B`` (``Trainer`` divides by
+        ``B / (W n)``), times ``scale`` (a fp16 loss scale), so its ``.grad`` increment is that times its mean
+        gradient."""
+        if not self._sizes:
+            return
+        n = self._sizes.pop(0)
+        last = not self._sizes
+        if n:
+            self.meter.micro(n, time.perf_counter() - self._micro_started)
+        # Under DDP the last backward already averaged .grad over ranks: its local increment is the one the
+        # communication hook saw (none without the hook, and then this micro-batch is left out).
+        self.probe.after_backward(n, self.world_size * n / self._global * scale, synced=self.world_size > 1 and last)
+
+    def reduced(self, grad_norm: float | None) -> None:
+        """The step's reduced gradient has norm ``grad_norm`` (before clipping): update the noise estimate.
+
+        A collective on measured steps when distributed (every rank calls it)."""
+        if self.probe.measuring:
+            sq = float("nan") if grad_norm is None else float(grad_norm) ** 2
+            self.probe.end_step(self._global, sq, bpdist.all_reduce_sum if self.world_size > 1 else None)
+
+    def end_step(self, step: int, loss: float | None) -> dict[str, float]:
+        """Step ``step`` (its mean loss ``loss``) is done: fold it into the meters; return every statistic."""
+        seconds = time.perf_counter() - self._started
+        metrics = self.meter.end_step(step, float("nan") if loss is None else loss, seconds, False)
+        self._stats = {**metrics, **self.probe.values()}
+        return self._stats
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """The statistics after the last step."""
+        return dict(self._stats)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"probe": self.probe.state_dict(), "meter": self.meter.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.probe.load_state_dict(state["probe"])
+        self.meter.load_state_dict(state["meter"])
