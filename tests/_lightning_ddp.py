@@ -1,7 +1,7 @@
 """A tiny Lightning fit driven by AdaptiveBatchSize; importable (tests/test_lightning.py) and runnable under
 torchrun (2 gloo ranks on CPU):
 
-    torchrun --standalone --nproc-per-node 2 tests/_lightning_ddp.py OUT_DIR
+    torchrun --standalone --nproc-per-node 2 tests/_lightning_ddp.py OUT_DIR [--noise]
 
 Writes OUT_DIR/rank<r>.json: per optimizer step the global size and this rank's sample ids, and the final
 weights.
@@ -19,12 +19,14 @@ from torch.utils.data import TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _hf_common import SizeList
+from _hf_common import SizeList, StatsSpy
 
 from batchpilot.integrations.lightning import AdaptiveBatchSize
 
 SIZES = [3, 7, 1, 12, 5, 9, 2, 20, 4, 11]
 NUM_SAMPLES = 61
+# --noise: every step measured; sizes that are multiples of world size x accumulation (no ghosts), 64 samples.
+NOISE_SIZES, NOISE_SAMPLES = [8, 12, 4, 16], 64
 
 
 def make_data(n: int = NUM_SAMPLES) -> TensorDataset:
@@ -58,9 +60,10 @@ class Model(L.LightningModule):
         x, y, ids = batch
         micro = self.adaptive.micro_batch
         if micro.micro_index == 0:
-            self.steps.append({"size": micro.global_size, "ids": [], "epoch": micro.epoch})
+            self.steps.append({"size": micro.global_size, "ids": [], "epoch": micro.epoch, "micro": []})
         if not micro.ghost:
             self.steps[-1]["ids"].extend(ids.tolist())
+        self.steps[-1]["micro"].append([] if micro.ghost else ids.tolist())  # one list per micro-batch
         loss = torch.nn.functional.cross_entropy(self.net(x), y)
         # Logged per sample: the epoch mean of the ids must be the mean of range(N) exactly.
         self.log("id_mean", ids.double().mean(), on_step=False, on_epoch=True,
@@ -79,9 +82,15 @@ class Model(L.LightningModule):
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
-    adaptive = AdaptiveBatchSize(SizeList(SIZES), batch_size=4)
-    model = Model(adaptive, make_data(), val=False)
+    out, noise = Path(sys.argv[1]), "--noise" in sys.argv[2:]
+    if noise:
+        controller = StatsSpy(NOISE_SIZES)
+        adaptive = AdaptiveBatchSize(controller, batch_size=4, noise_every=1)
+        model = Model(adaptive, make_data(NOISE_SAMPLES), val=False)
+    else:
+        controller = SizeList(SIZES)
+        adaptive = AdaptiveBatchSize(controller, batch_size=4)
+        model = Model(adaptive, make_data(), val=False)
     trainer = L.Trainer(
         max_epochs=2, accelerator="cpu", devices=2, strategy="ddp", accumulate_grad_batches=2,
         callbacks=[adaptive], logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -93,6 +102,7 @@ def main() -> None:
         "world_size": trainer.world_size,
         "steps": model.steps,
         "weights": [p.detach().tolist() for p in model.net.parameters()],
+        "stats": getattr(controller, "seen_stats", None),  # what rank 0's controller saw (--noise)
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))

@@ -60,7 +60,7 @@ from .._validation import check_positive_int
 from ..controllers.base import needs_gradient_stats
 from ._driver import SizeDriver
 from ._hf_callbacks import BatchpilotCallback, SampleProgressCallback
-from ._hf_stats import HFStats, check_measurable
+from ._step_stats import StepStats, check_measurable
 from ._hf_parts import (
     SampleLambdaLR,
     TrainLoader,
@@ -143,6 +143,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
         self.batchpilot: HFRun | None = None
         self._bp_resume: str | None = None
         self._bp_divisors: list[float] = []
+        self._bp_micro: list[tuple[int, bool]] = []  # (size, is_last) of the step's micro-batches still to run
         self._bp_grad_norm: float | None = None
         self._bp_seen_at_start = 0
         self.add_callback(BatchpilotCallback(self))
@@ -230,7 +231,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
         )
         run.driver.min_useful = self.data_parallel_size * args.gradient_accumulation_steps
         if self._bp_measure:
-            run.stats = HFStats([p for p in self.model.parameters() if p.requires_grad], world_size=self.data_parallel_size,
+            run.stats = StepStats([p for p in self.model.parameters() if p.requires_grad], world_size=self.data_parallel_size,
                                 accumulation_steps=args.gradient_accumulation_steps, every=self._bp_noise_every)
         if self._bp_resume is not None:
             run.load_state_dict(read_state(self._bp_resume))
@@ -328,7 +329,8 @@ class AdaptiveBatchSizeTrainer(Trainer):
         self._bp_divisors = run.begin_step(micro)
         if run.stats is not None:
             run.stats.attach(self.model_wrapped)  # DDP exists by now (Trainer wraps after on_train_begin)
-            run.stats.begin_step(run.driver.step, [m.size for m in micro], micro[0].global_size)
+            run.stats.begin_step(run.driver.step, micro[0].global_size)
+            self._bp_micro = [(m.size, m.is_last) for m in micro]
         data = [m.data for m in micro]
         if not self._loss_owns_scaling():
             return data, None  # the divisors weight each micro-batch (training_step)
@@ -353,9 +355,12 @@ class AdaptiveBatchSizeTrainer(Trainer):
         loss = super().training_step(model, inputs, num_items_in_batch)
         if run is not None:
             run.add_loss(loss)
-            if run.stats is not None:
+            if run.stats is not None and self._bp_micro:
+                size, last = self._bp_micro.pop(0)
+                # Trainer divided the loss by B / (W n): the .grad increment is W n / B times the mean gradient.
+                to_mean = self.data_parallel_size * size / run.inflight.global_size
                 scaler = getattr(self.accelerator, "scaler", None)  # fp16: .grad holds the scaled gradient
-                run.stats.after_micro(float(scaler.get_scale()) if scaler is not None else 1.0)
+                run.stats.after_micro(size, last, to_mean * (float(scaler.get_scale()) if scaler is not None else 1.0))
         return loss
 
     def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:

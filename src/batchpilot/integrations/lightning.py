@@ -37,7 +37,11 @@ from lightning.pytorch.callbacks import Callback
 
 from .. import distributed as bpdist
 from ..data.loader import AdaptiveDataLoader, MicroBatch
+from .._validation import check_positive_int
+from ..clipping import grad_norm
+from ..controllers.base import needs_gradient_stats
 from ._driver import SizeDriver
+from ._step_stats import StepStats, check_measurable
 
 __all__ = ["AdaptiveBatchSize", "AdaptiveLoader"]
 
@@ -105,10 +109,16 @@ class AdaptiveBatchSize(Callback):
         decide_every: Ask the controller after every ``decide_every``-th optimizer step.
         on_invalid: ``"raise"`` or ``"keep"`` for a controller that returns an unusable size.
         log: Log ``batch_size``, ``train_coverage``, ``samples_seen`` and a coverage-based ``epoch``
-            (``samples_seen / len(dataset)``) after every optimizer step.
+            (``samples_seen / len(dataset)``) after every optimizer step, and ``noise_scale`` when measured.
+        noise_every: Measure the gradient noise scale (McCandlish et al. 2018) on every N-th step. Default:
+            every 16th step when the controller reads gradient statistics (``NoiseScale``, ``Goodput``,
+            ``VarianceRule``, ``ThresholdRules``), else never. The small batches are the micro-batches of a
+            step and the ranks (no extra computation), so one process needs ``accumulate_grad_batches >= 2``;
+            the statistics reach the controller in ``Observation.stats`` (``stats/*``, ``perf/*``).
 
     Raises:
-        ValueError: invalid settings (all problems in one message).
+        ValueError: invalid settings (all problems in one message); at the start of training, a controller
+            that reads gradient statistics with one process and ``accumulate_grad_batches=1``.
     """
 
     def __init__(
@@ -121,6 +131,7 @@ class AdaptiveBatchSize(Callback):
         decide_every: int = 1,
         on_invalid: str = "raise",
         log: bool = True,
+        noise_every: int | None = None,
     ) -> None:
         self.initial_batch_size = batch_size
         self._settings = dict(
@@ -128,6 +139,12 @@ class AdaptiveBatchSize(Callback):
             max_batch_size=max_batch_size, decide_every=decide_every, on_invalid=on_invalid,
         )
         self.driver = SizeDriver(num_samples=0, **self._settings)  # validates the settings now
+        if noise_every is not None:
+            check_positive_int(noise_every, "noise_every")
+        self.noise_every = noise_every
+        self._measure = noise_every is not None or needs_gradient_stats(self.driver.controller)
+        self.stats: StepStats | None = None  # built at the start of training when measuring
+        self._stats_state: dict[str, Any] | None = None
         self.log_progress = log
         self._trainer: Any = None
         self._loader: AdaptiveLoader | None = None
@@ -240,6 +257,15 @@ class AdaptiveBatchSize(Callback):
         self.driver.min_useful = trainer.world_size * trainer.accumulate_grad_batches
         self.driver.start_clock()
         self._validate_at_epoch_end(trainer)
+        if self._measure and self.stats is None:
+            check_measurable(trainer.world_size, trainer.accumulate_grad_batches)
+            params = [p for p in pl_module.parameters() if p.requires_grad]
+            self.stats = StepStats(params, world_size=trainer.world_size,
+                                   accumulation_steps=trainer.accumulate_grad_batches, every=self.noise_every)
+            if self._stats_state is not None:
+                self.stats.load_state_dict(self._stats_state)
+        if self.stats is not None:
+            self.stats.attach(trainer.strategy.model)  # the DDP wrapper, when there is one
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._validate_at_epoch_end(trainer)  # (re)loading dataloaders recomputes Lightning's schedule
@@ -265,10 +291,29 @@ class AdaptiveBatchSize(Callback):
         micro = self.micro_batch
         if micro is not None and micro.is_last and micro.offset + micro.global_size >= self._loader.loader.sampler.num_samples:
             self._mark_last_batch(trainer)  # this step completes the epoch: Lightning's own "last batch"
+        if micro is not None and self.stats is not None:
+            if micro.micro_index == 0:
+                self.stats.begin_step(self.driver.step, micro.global_size)
+            self.stats.begin_micro()
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        micro = self.micro_batch
+        if micro is None or self.stats is None:
+            return
+        world, accumulation = trainer.world_size, trainer.accumulate_grad_batches
+        # weight() scaled the loss by n W A / B and Lightning divides by A: the .grad increment is W n / B
+        # times the micro-batch's mean gradient; without weight() it is 1 / A times it.
+        to_mean = world * micro.size / micro.global_size if self._raw_loss is not None else 1.0 / accumulation
+        scaler = getattr(trainer.precision_plugin, "scaler", None)  # fp16: .grad holds the scaled gradient
+        if scaler is not None:
+            to_mean *= float(scaler.get_scale())
+        self.stats.after_micro(micro.size, micro.is_last, to_mean)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         micro = self.micro_batch
         self._inflight = 0 if micro is None else micro.global_size  # LR schedulers step before batch end
+        if self.stats is not None:  # reduced over ranks and unscaled, not yet clipped
+            self.stats.reduced(grad_norm(self.stats.probe.params))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         micro = self.micro_batch
@@ -287,11 +332,14 @@ class AdaptiveBatchSize(Callback):
         totals = torch.tensor(self._step_loss, dtype=torch.float64)
         self._step_loss = [0.0, 0.0]
         totals = bpdist.all_reduce_sum(totals)
-        self.driver.end_step(micro.global_size, float(totals[0] / totals[1]) if totals[1] > 0 else None)
+        step_loss = float(totals[0] / totals[1]) if totals[1] > 0 else None
+        self.driver.end_step(micro.global_size, step_loss)
         self._inflight = 0
+        stats = None if self.stats is None else self.stats.end_step(self.driver.step, step_loss)
         loader = self._loader.loader
         epoch, offset, _ = loader.position()
-        new = self.driver.decide(loader.batch_size, epoch=epoch, coverage=offset / loader.sampler.num_samples)
+        new = self.driver.decide(loader.batch_size, epoch=epoch, coverage=offset / loader.sampler.num_samples,
+                                 stats=stats)
         loader.set_batch_size(new)
         if self.log_progress:
             # The progress bar's total is len(loader), an upper bound: train_coverage is the real progress.
@@ -300,6 +348,8 @@ class AdaptiveBatchSize(Callback):
                 "samples_seen": float(self.driver.samples_seen),
                 "epoch": self.driver.samples_seen / loader.sampler.num_samples,
             }
+            if stats and "stats/noise_scale" in stats:
+                hidden["noise_scale"] = float(stats["stats/noise_scale"])
             for metrics, prog_bar in ((shown, True), (hidden, False)):
                 pl_module.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=prog_bar,
                                    batch_size=max(micro.size, 1), rank_zero_only=True)
@@ -320,9 +370,14 @@ class AdaptiveBatchSize(Callback):
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """The driver's counters and the controller's state (the data position is the loader's)."""
-        return {"driver": self.driver.state_dict()}
+        """The driver's counters, the controller's state and the gradient statistics' (the data position is
+        the loader's)."""
+        stats = self.stats.state_dict() if self.stats is not None else self._stats_state
+        return {"driver": self.driver.state_dict(), "stats": stats}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (Lightning calls it when resuming from a checkpoint)."""
         self.driver.load_state_dict(state_dict["driver"])
+        self._stats_state = state_dict.get("stats")
+        if self.stats is not None and self._stats_state is not None:
+            self.stats.load_state_dict(self._stats_state)

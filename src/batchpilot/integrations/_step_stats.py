@@ -1,13 +1,13 @@
-"""Gradient statistics inside ``transformers.Trainer``: what `Pilot` measures, for `AdaptiveBatchSizeTrainer`.
+"""Gradient statistics inside a framework's loop: what `Pilot` measures, for the HF and Lightning integrations.
 
-Trainer runs ``gradient_accumulation_steps`` micro-batches per optimizer step on each rank and reduces the
+The framework runs a fixed number of micro-batches per optimizer step on each rank and reduces the
 gradients over ranks in the last one (DDP). The micro-batches and the ranks are the small batches of
 McCandlish et al.'s two-batch noise-scale estimate (``batchpilot.measure.GradientNoiseProbe``, the same
 probe as ``Pilot``'s): the ``.grad`` increment of every micro-batch before the reduction, with the last
-micro-batch's read by a DDP communication hook; the step's reduced gradient (whose norm Trainer computes
-for clipping and logging anyway) is the big one. Trainer's loop cannot split a step, so one process with a
-single micro-batch per step has no small batch: that setting is refused for controllers that need the
-statistics, naming the fix. Per-micro-batch times feed the throughput model (``perf/*``) as in ``Pilot``.
+micro-batch's read by a DDP communication hook; the step's reduced gradient (before clipping) is the big
+one. These loops cannot split a step, so one process with a single micro-batch per step has no small
+batch: that setting is refused for controllers that need the statistics, naming the fix. Per-micro-batch
+times feed the throughput model (``perf/*``) as in ``Pilot``.
 """
 
 from __future__ import annotations
@@ -29,19 +29,19 @@ def check_measurable(world_size: int, accumulation_steps: int) -> None:
     if world_size == 1 and accumulation_steps == 1:
         raise ValueError(
             "the batch size controller reads gradient statistics (the noise scale), which need two batch "
-            "sizes per measured step, but this run has one process and gradient_accumulation_steps=1; set "
-            "gradient_accumulation_steps >= 2 (each micro-batch is then a small batch, at no extra cost) "
-            "or train on >= 2 ranks."
+            "sizes per measured step, but this run has one process and one micro-batch per step; set "
+            "gradient_accumulation_steps >= 2 (Hugging Face) or accumulate_grad_batches >= 2 (Lightning): each "
+            "micro-batch is then a small batch, at no extra cost; or train on >= 2 ranks."
         )
 
 
-class HFStats:
-    """Measures the gradient noise scale and the step meters for one rank of a Trainer run.
+class StepStats:
+    """Measures the gradient noise scale and the step meters for one rank of a framework's run.
 
     Args:
         params: The model's trainable parameters.
         world_size: Data-parallel ranks.
-        accumulation_steps: Micro-batches per step on each rank (``gradient_accumulation_steps``).
+        accumulation_steps: Micro-batches per step on each rank.
         every: Measure the noise scale on every ``every``-th step (``None``: ``DEFAULT_NOISE_EVERY``).
 
     Raises:
@@ -55,7 +55,6 @@ class HFStats:
         self.probe = GradientNoiseProbe(params, every=every or DEFAULT_NOISE_EVERY, ranks_are_small_batches=True)
         self.meter = StepMeter()
         self._hooked = False
-        self._sizes: list[int] = []
         self._global = 0
         self._started = 0.0
         self._micro_started = 0.0
@@ -70,28 +69,24 @@ class HFStats:
             logger.warning("the DDP model already has a communication hook: the last micro-batch of each rank is "
                            "not measured, so the noise scale rests on the other micro-batches (see docs/statistics.md)")
 
-    def begin_step(self, step: int, local_sizes: list[int], global_size: int) -> None:
-        """A step of ``global_size`` samples starts; this rank's micro-batches hold ``local_sizes``."""
-        self._sizes, self._global = list(local_sizes), global_size
+    def begin_step(self, step: int, global_size: int) -> None:
+        """Step ``step`` (counting from 0) of ``global_size`` samples starts."""
+        self._global = global_size
         self._started = time.perf_counter()
         self.probe.begin_step(step)
 
     def begin_micro(self) -> None:
         self._micro_started = time.perf_counter()
 
-    def after_micro(self, scale: float = 1.0) -> None:
-        """One micro-batch's backward is done. Its loss was weighted ``W n / B`` (``Trainer`` divides by
-        ``B / (W n)``), times ``scale`` (a fp16 loss scale), so its ``.grad`` increment is that times its mean
-        gradient."""
-        if not self._sizes:
-            return
-        n = self._sizes.pop(0)
-        last = not self._sizes
-        if n:
-            self.meter.micro(n, time.perf_counter() - self._micro_started)
+    def after_micro(self, size: int, last: bool, to_mean: float) -> None:
+        """A micro-batch of ``size`` samples (0: a ghost) finished its backward; ``last``: the step's last on
+        this rank. ``to_mean``: the factor between its ``.grad`` increment and its mean gradient (its loss
+        weight, times a fp16 loss scale)."""
+        if size:
+            self.meter.micro(size, time.perf_counter() - self._micro_started)
         # Under DDP the last backward already averaged .grad over ranks: its local increment is the one the
         # communication hook saw (none without the hook, and then this micro-batch is left out).
-        self.probe.after_backward(n, self.world_size * n / self._global * scale, synced=self.world_size > 1 and last)
+        self.probe.after_backward(size, to_mean, synced=self.world_size > 1 and last)
 
     def reduced(self, grad_norm: float | None) -> None:
         """The step's reduced gradient has norm ``grad_norm`` (before clipping): update the noise estimate.
