@@ -498,7 +498,7 @@ def test_required_stats_name_the_keys_read():
     assert NoiseScale().required_stats == ("stats/noise_scale",)
     assert Goodput().required_stats == (
         "stats/noise_scale", "perf/micro_time_a_s", "perf/micro_time_b_s", "perf/step_overhead_s",
-        "perf/max_micro_batch_size", "dist/world_size",
+        "perf/max_micro_batch_size", "dist/world_size", "perf/accumulation_steps",
     )
     assert ThresholdRules().required_stats == ("stats/grad_variance", "stats/loss_trend", "system/gpu_util")
     assert ThresholdRules(util_source="gpu-or-cpu").required_stats[2:] == ("system/gpu_util", "system/cpu_util")
@@ -520,3 +520,18 @@ def test_noise_controllers_wait_for_the_estimate_and_change_at_most_twofold():
     assert good.decide(obs(50, 64, {**early, **perf})) == 64 and "warming up" in good.reason
     # phi = 5000 and a large fixed cost: the best candidate is far above 64, limited to 128 this time.
     assert good.decide(obs(100, 64, {**ready, **perf})) == 128 and "limited to x2" in good.reason
+
+
+def test_goodput_counts_a_fixed_accumulation_in_the_step_time():
+    # Trainer-style loops run A micro-batches per step whatever B is: A fixed costs a per step.
+    from batchpilot.controllers.goodput import step_time
+
+    assert step_time(64, 0.01, 0.001, 0.002, world_size=2, fixed_accum=4) == pytest.approx(0.002 + 4 * (0.01 + 0.001 * 8))
+    assert step_time(64, 0.01, 0.001, 0.002, world_size=2) == pytest.approx(0.002 + 0.01 + 0.001 * 32)
+    assert step_time(64, 0.01, 0.001, max_micro=8, fixed_accum=2) == pytest.approx(2 * (0.01 + 0.001 * 32))
+    good = Goodput(32, 4096, interval=50)
+    stats = {"stats/noise_scale": 500.0, "stats/noise_count": 10, "perf/micro_time_a_s": 0.01,
+             "perf/micro_time_b_s": 0.001, "perf/accumulation_steps": 4.0}
+    good.decide(obs(50, 64, stats))
+    for size, value in good.last_table.items():
+        assert value == pytest.approx(size / (4 * (0.01 + 0.001 * math.ceil(size / 4))) * good.efficiency(size, 500.0))

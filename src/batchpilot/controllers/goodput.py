@@ -29,20 +29,26 @@ B_KEY = "perf/micro_time_b_s"
 OVERHEAD_KEY = "perf/step_overhead_s"
 MAX_MICRO_KEY = "perf/max_micro_batch_size"
 WORLD_KEY = "dist/world_size"
+ACCUM_KEY = "perf/accumulation_steps"  # a fixed number of micro-batches per step (the HF / Lightning loops)
 
 
 def step_time(
-    batch_size: int, a: float, b: float, overhead: float = 0.0, max_micro: int | None = None, world_size: int = 1
+    batch_size: int, a: float, b: float, overhead: float = 0.0, max_micro: int | None = None, world_size: int = 1,
+    fixed_accum: int | None = None,
 ) -> float:
     """Predicted seconds of one optimizer step at global batch ``batch_size`` (the engine's throughput model).
 
     Each of ``world_size`` ranks takes ``local = ceil(B / W)`` samples, split into
     ``accum = ceil(local / max_micro)`` micro-batches of ``m = ceil(local / accum)`` samples (``accum = 1``
-    when ``max_micro`` is ``None``); a micro-batch costs ``a + b * m`` seconds, and the step
-    ``overhead + accum * (a + b * m)``.
+    when ``max_micro`` is ``None``; ``accum = fixed_accum`` when the training loop runs a fixed number of
+    micro-batches per step, as Trainer's ``gradient_accumulation_steps``); a micro-batch costs ``a + b * m``
+    seconds, and the step ``overhead + accum * (a + b * m)``.
     """
     local = -(-batch_size // world_size)
-    accum = 1 if max_micro is None else -(-local // max_micro)
+    if fixed_accum is not None:
+        accum = fixed_accum
+    else:
+        accum = 1 if max_micro is None else -(-local // max_micro)
     micro = -(-local // accum)
     return overhead + accum * (a + b * micro)
 
@@ -65,7 +71,9 @@ class Goodput:
 
     Throughput is ``B / step_time(B)`` from the engine's fitted model (:func:`step_time`):
     ``perf/micro_time_a_s`` and ``perf/micro_time_b_s`` (required), ``perf/step_overhead_s``
-    (default 0), ``perf/max_micro_batch_size`` (default: no limit) and ``dist/world_size`` (default 1).
+    (default 0), ``perf/max_micro_batch_size`` (default: no limit), ``dist/world_size`` (default 1) and
+    ``perf/accumulation_steps`` (a fixed number of micro-batches per step, given by the HF and Lightning
+    integrations; default: as many as ``max_micro`` needs).
     Negative fitted coefficients are taken as 0.
 
     At the first call of each new period of ``interval`` steps (not once per epoch, AdaptDL's limit) it
@@ -92,7 +100,7 @@ class Goodput:
         TypeError, ValueError: an argument has the wrong type or is out of range.
     """
 
-    required_stats: tuple[str, ...] = (NOISE_SCALE_KEY, A_KEY, B_KEY, OVERHEAD_KEY, MAX_MICRO_KEY, WORLD_KEY)
+    required_stats: tuple[str, ...] = (NOISE_SCALE_KEY, A_KEY, B_KEY, OVERHEAD_KEY, MAX_MICRO_KEY, WORLD_KEY, ACCUM_KEY)
     """The ``obs.stats`` keys it reads (the engine switches the matching measurements on)."""
 
     def __init__(
@@ -175,8 +183,9 @@ class Goodput:
         self.reason = f"{prefix} <= 1 + {fmt(self.switch_threshold)}; kept {size}"
         return size
 
-    def _throughput_model(self, obs: Observation) -> tuple[float, float, float, int | None, int] | str:
-        """``(a, b, overhead, max_micro, world_size)`` from ``obs.stats``, or a text saying what is missing."""
+    def _throughput_model(self, obs: Observation) -> tuple[float, float, float, int | None, int, int | None] | str:
+        """``(a, b, overhead, max_micro, world_size, fixed_accum)`` from ``obs.stats``, or a text saying what is
+        missing."""
         a, b = read_stat(obs, A_KEY), read_stat(obs, B_KEY)
         if a is None or b is None:
             missing = [k for k, v in ((A_KEY, a), (B_KEY, b)) if v is None]
@@ -189,7 +198,8 @@ class Goodput:
             return f"throughput model predicts zero step time ({A_KEY}={a}, {B_KEY}={b})"
         micro = None if max_micro is None or max_micro < 1 else int(max_micro)
         world_size = 1 if world is None or world < 1 else int(world)
-        return a, b, overhead, micro, world_size
+        accum = read_stat(obs, ACCUM_KEY)
+        return a, b, overhead, micro, world_size, None if accum is None or accum < 1 else int(accum)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able state: ``B0`` in use and the period of the last decision."""

@@ -51,7 +51,7 @@ class StepStats:
     def __init__(self, params: list[torch.nn.Parameter], *, world_size: int, accumulation_steps: int,
                  every: int | None = None) -> None:
         check_measurable(world_size, accumulation_steps)
-        self.world_size = world_size
+        self.world_size, self.accumulation_steps = world_size, accumulation_steps
         self.probe = GradientNoiseProbe(params, every=every or DEFAULT_NOISE_EVERY, ranks_are_small_batches=True)
         self.meter = StepMeter()
         self._hooked = False
@@ -100,7 +100,8 @@ class StepStats:
         """Step ``step`` (its mean loss ``loss``) is done: fold it into the meters; return every statistic."""
         seconds = time.perf_counter() - self._started
         metrics = self.meter.end_step(step, float("nan") if loss is None else loss, seconds, False)
-        self._stats = {**metrics, **self.probe.values()}
+        self._stats = {**metrics, **self.probe.values(), "dist/world_size": float(self.world_size),
+                       "perf/accumulation_steps": float(self.accumulation_steps)}
         return self._stats
 
     @property
