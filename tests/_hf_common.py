@@ -117,3 +117,38 @@ def tiny_bert(seed: int = 0):
         max_position_embeddings=16, num_labels=2,
     )
     return BertForSequenceClassification(config)
+
+
+def check_noise_by_hand(micro_per_step: list, seen_stats: list[dict], net: torch.nn.Module, loss_of) -> None:
+    """Replay plain SGD (lr 0.1) of ``net``; at each step feed McCandlish et al.'s two-batch estimate by hand
+    (small: the micro-batches' gradients, big: the step's) and compare it with what the controller saw after
+    that step. ``micro_per_step[k]`` lists step k's micro-batches as sample ids (empty: a ghost);
+    ``loss_of(ids)`` is the mean loss of those samples under ``net``."""
+    import pytest
+
+    from batchpilot.stats import NoiseScaleEstimator
+
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    estimator = NoiseScaleEstimator(ema_decay=0.99 ** (1 / 4))  # the probe's decay at noise_every=1
+
+    def grad(ids: list[int]) -> torch.Tensor:
+        net.zero_grad()
+        loss_of(ids).backward()
+        return torch.cat([p.grad.flatten() for p in net.parameters()]).clone()
+
+    assert len(seen_stats) == len(micro_per_step)
+    for k, parts in enumerate(micro_per_step):
+        parts = [ids for ids in parts if ids]
+        small = [grad(ids) for ids in parts]
+        big = grad([i for ids in parts for i in ids])  # left in .grad for the SGD step below
+        sizes = [len(ids) for ids in parts]
+        b_small = len(sizes) / sum(1 / n for n in sizes)
+        if sum(sizes) > b_small:  # a step with one non-empty micro-batch has no second size: not measured
+            estimator.update(b_small, sum(float(g @ g) for g in small) / len(sizes), sum(sizes), float(big @ big))
+        want, got = estimator.metrics(), seen_stats[k]
+        for key in ("stats/noise_scale", "stats/grad_sq_norm", "stats/trace_cov"):
+            assert (key in got) == (key in want), (k, key)
+            if key in want:
+                assert got[key] == pytest.approx(want[key], rel=1e-9), (k, key)
+        optimizer.step()
+    assert "stats/noise_scale" in seen_stats[-1]

@@ -29,7 +29,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from _hf_common import PointSet, Recorder, SentimentText, SizeList, StatsSpy, tiny_bert
+from _hf_common import PointSet, Recorder, SentimentText, SizeList, StatsSpy, check_noise_by_hand, tiny_bert
 from transformers import TrainerCallback, TrainingArguments
 
 from batchpilot.controllers import LinearIncrease, linear_increase_scheduler
@@ -289,18 +289,14 @@ def test_bf16_autocast_on_cpu(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------- gradient statistics
-def flat_grad(model: Recorder, data: PointSet, ids: list[int]) -> torch.Tensor:
-    model.zero_grad()
-    idx = torch.as_tensor(ids)
-    model(data.x[idx], data.y[idx])["loss"].backward()
-    return torch.cat([p.grad.flatten() for p in model.parameters()]).clone()
+def recorder_loss(net: Recorder, data: PointSet):
+    """``ids -> net's mean loss on those samples of data`` (for check_noise_by_hand)."""
+    return lambda ids: net(data.x[torch.as_tensor(ids)], data.y[torch.as_tensor(ids)])["loss"]
 
 
 def test_noise_scale_comes_from_the_micro_batches_exactly(tmp_path):
     """Every step measured: what the controller sees equals McCandlish et al.'s two-batch estimate computed by
     hand from the same micro-batches (small) and the whole step (big) along a plain SGD replay (float64)."""
-    from batchpilot.stats import NoiseScaleEstimator
-
     data, model = PointSet(64), Recorder()
     spy = StatsSpy([12, 9, 15, 6])
     trainer = AdaptiveBatchSizeTrainer(
@@ -311,25 +307,12 @@ def test_noise_scale_comes_from_the_micro_batches_exactly(tmp_path):
     steps = record_steps(trainer)
     trainer.train()
 
-    reference = Recorder()
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    estimator = NoiseScaleEstimator(ema_decay=0.99 ** (1 / 4))  # the probe's decay at noise_every=1
     micro = [model.seen[i:i + 3] for i in range(0, len(model.seen), 3)]  # 3 forwards (micro-batches) a step
     assert [sum(map(len, m)) for m in micro] == [s.global_size for s in steps]
-    for k, parts in enumerate(micro):
-        small = [flat_grad(reference, data, ids) for ids in parts]
-        big = flat_grad(reference, data, [i for ids in parts for i in ids])
-        sizes = [len(ids) for ids in parts]
-        estimator.update(len(sizes) / sum(1 / n for n in sizes), sum(float(g @ g) for g in small) / len(sizes),
-                         sum(sizes), float(big @ big))
-        want, got = estimator.metrics(), spy.seen_stats[k]
-        for key in ("stats/noise_scale", "stats/grad_sq_norm", "stats/trace_cov"):
-            assert (key in got) == (key in want)
-            if key in want:
-                assert got[key] == pytest.approx(want[key], rel=1e-9), (k, key)
-        assert got["stats/noise_count"] == k + 1 and "perf/micro_time_b_s" in got  # the throughput model too
-        optimizer.step()  # reference.grad holds the big batch's gradient
-    assert "stats/noise_scale" in spy.seen_stats[-1]
+    reference = Recorder()
+    check_noise_by_hand(micro, spy.seen_stats, reference, recorder_loss(reference, data))
+    assert [s["stats/noise_count"] for s in spy.seen_stats] == list(range(1, len(steps) + 1))
+    assert "perf/micro_time_b_s" in spy.seen_stats[-1] and spy.seen_stats[-1]["perf/accumulation_steps"] == 3
 
 
 def test_noise_scale_controller_trains_logs_and_resumes(tmp_path):
@@ -514,29 +497,13 @@ def test_torchrun_noise_scale_from_the_ranks_and_micro_batches(tmp_path):
     """2 gloo ranks x 2 micro-batches, every step measured: the four micro-batches of a step are the small
     batches (each rank's last one read inside DDP's all-reduce by the communication hook), the step the big
     one; what rank 0's controller saw equals the estimate computed by hand along a plain SGD replay."""
-    from batchpilot.stats import NoiseScaleEstimator
-
     ranks = torchrun(tmp_path / "noise", "--noise")
     data, steps = PointSet(64), ranks[0]["steps"]
-    assert ranks[0]["weights"] == ranks[1]["weights"] and len(ranks[0]["stats"]) == len(steps)
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+    micro = [[ids for r in ranks for ids in r["micro"][2 * k:2 * k + 2]] for k in range(len(steps))]  # 2 per rank
+    assert [sum(map(len, m)) for m in micro] == [s["size"] for s in steps]
     reference = Recorder()
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    estimator = NoiseScaleEstimator(ema_decay=0.99 ** (1 / 4))
-    for k, step in enumerate(steps):
-        parts = [ids for r in ranks for ids in r["micro"][2 * k:2 * k + 2]]  # 2 forwards per rank per step
-        assert sum(map(len, parts)) == step["size"]
-        small = [flat_grad(reference, data, ids) for ids in parts]
-        big = flat_grad(reference, data, [i for ids in parts for i in ids])
-        sizes = [len(ids) for ids in parts]
-        estimator.update(len(sizes) / sum(1 / n for n in sizes), sum(float(g @ g) for g in small) / len(sizes),
-                         sum(sizes), float(big @ big))
-        want, got = estimator.metrics(), ranks[0]["stats"][k]
-        for key in ("stats/noise_scale", "stats/grad_sq_norm", "stats/trace_cov"):
-            assert (key in got) == (key in want)
-            if key in want:
-                assert got[key] == pytest.approx(want[key], rel=1e-9), (k, key)
-        optimizer.step()
-    assert "stats/noise_scale" in ranks[0]["stats"][-1]
+    check_noise_by_hand(micro, ranks[0]["stats"], reference, recorder_loss(reference, data))
 
 
 @pytest.mark.distributed

@@ -21,7 +21,7 @@ import torch
 
 L = pytest.importorskip("lightning")
 
-from _hf_common import SizeList, StatsSpy
+from _hf_common import SizeList, StatsSpy, check_noise_by_hand
 from _lightning_ddp import NOISE_SAMPLES, NUM_SAMPLES, SIZES, Model, make_data, make_net
 
 from batchpilot.controllers import LinearIncrease
@@ -168,38 +168,10 @@ def torchrun(out: Path, *args: str) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def check_noise_by_hand(micro_per_step: list[list[list[int]]], seen_stats: list[dict], data) -> None:
-    """Replay plain SGD; at each step feed McCandlish et al.'s two-batch estimate by hand (small: the micro-
-    batches, big: the step) and compare with what the controller saw after that step."""
-    from batchpilot.stats import NoiseScaleEstimator
-
-    net = make_net()
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+def net_loss(net: torch.nn.Module, data):
+    """``ids -> net's mean loss on those samples of data`` (for check_noise_by_hand)."""
     x, y, _ = data.tensors
-    estimator = NoiseScaleEstimator(ema_decay=0.99 ** (1 / 4))  # the probe's decay at noise_every=1
-
-    def grad(ids):
-        net.zero_grad()
-        idx = torch.tensor(ids)
-        torch.nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
-        return torch.cat([p.grad.flatten() for p in net.parameters()]).clone()
-
-    assert len(seen_stats) == len(micro_per_step)
-    for k, parts in enumerate(micro_per_step):
-        parts = [ids for ids in parts if ids]  # ghost micro-batches carry no sample
-        small = [grad(ids) for ids in parts]
-        big = grad([i for ids in parts for i in ids])
-        sizes = [len(ids) for ids in parts]
-        b_small = len(sizes) / sum(1 / n for n in sizes)
-        if sum(sizes) > b_small:  # a step with one non-empty micro-batch has no second size: not measured
-            estimator.update(b_small, sum(float(g @ g) for g in small) / len(sizes), sum(sizes), float(big @ big))
-        want, got = estimator.metrics(), seen_stats[k]
-        for key in ("stats/noise_scale", "stats/grad_sq_norm", "stats/trace_cov"):
-            assert (key in got) == (key in want)
-            if key in want:
-                assert got[key] == pytest.approx(want[key], rel=1e-9), (k, key)
-        optimizer.step()
-    assert "stats/noise_scale" in seen_stats[-1]
+    return lambda ids: torch.nn.functional.cross_entropy(net(x[torch.tensor(ids)]), y[torch.tensor(ids)])
 
 
 def test_noise_scale_comes_from_the_micro_batches_exactly(tmp_path):
@@ -207,7 +179,8 @@ def test_noise_scale_comes_from_the_micro_batches_exactly(tmp_path):
     adaptive = AdaptiveBatchSize(spy, batch_size=6, noise_every=1)
     model = Model(adaptive, make_data(), val=False)
     trainer(tmp_path, adaptive, accumulate_grad_batches=3).fit(model)
-    check_noise_by_hand([s["micro"] for s in model.steps], spy.seen_stats, make_data())
+    net = make_net()
+    check_noise_by_hand([s["micro"] for s in model.steps], spy.seen_stats, net, net_loss(net, make_data()))
     measured = spy.seen_stats[-1]["stats/noise_count"]
     assert measured == sum(len(s["ids"]) > 1 for s in model.steps) and "perf/micro_time_b_s" in spy.seen_stats[-1]
     state = json.loads(json.dumps(adaptive.state_dict()))  # JSON-safe; the estimate travels with the callback
@@ -233,7 +206,9 @@ def test_ddp_noise_scale_from_the_ranks_and_micro_batches(tmp_path):
     """2 gloo ranks x 2 micro-batches: each rank's last micro-batch is read inside DDP's all-reduce."""
     ranks = torchrun(tmp_path, "--noise")
     steps = zip(ranks[0]["steps"], ranks[1]["steps"])
-    check_noise_by_hand([a["micro"] + b["micro"] for a, b in steps], ranks[0]["stats"], make_data(NOISE_SAMPLES))
+    net = make_net()
+    check_noise_by_hand([a["micro"] + b["micro"] for a, b in steps], ranks[0]["stats"], net,
+                        net_loss(net, make_data(NOISE_SAMPLES)))
 
 
 @pytest.mark.distributed
