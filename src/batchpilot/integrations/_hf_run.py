@@ -77,7 +77,7 @@ class HFRun:
         self.last_loss: float | None = None
         self.step_lr_factor = 1.0  # the LR coupling factor the last optimizer step ran with
         self._loss: torch.Tensor | float = 0.0
-        self.stats: Any = None  # an HFStats when the controller reads gradient statistics
+        self.stats: Any = None  # a StepStats when the controller reads gradient statistics
 
     # ------------------------------------------------------------------ progress (read by logs and users)
     @property
