@@ -1,0 +1,189 @@
+"""The LR range test: find the largest useful learning rate in a few dozen steps, then undo them.
+
+Smith 2017, "Cyclical Learning Rates for Training Neural Networks" (WACV, section 3.3): train for a short
+while with the LR growing exponentially from ``lr_min`` to ``lr_max`` and watch the loss; it falls fastest
+somewhat below the LR at which training turns unstable. The model, the optimizer (its state and LRs) and
+torch's random number generators are restored afterwards, so the test leaves no trace but its result.
+
+Paired with ``lr_rule="adascale"`` and a large ``base_batch_size``, the suggestion is the top of McCandlish
+et al.'s optimal-LR curve ``lr_max / (1 + B_noise / B)`` (see docs/lr.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["LRRangeTest", "lr_range_test"]
+
+
+@dataclass(frozen=True)
+class LRRangeTest:
+    """What :func:`lr_range_test` measured.
+
+    Attributes:
+        lrs: The LR of every step that ran.
+        losses: Each step's loss (before its update).
+        smoothed: The bias-corrected exponential moving average of ``losses``.
+        suggestion: The LR at which the smoothed loss fell fastest per unit of ``log(lr)``, looking only up to
+            its minimum; ``None`` when it never fell.
+        best_lr: The LR at the smoothed loss's minimum (training turns unstable not far above it).
+        stopped_early: The loss diverged (non-finite, or ``diverge`` x its minimum) before ``lr_max``.
+        seconds: Wall time of the test.
+    """
+
+    lrs: list[float]
+    losses: list[float]
+    smoothed: list[float]
+    suggestion: float | None
+    best_lr: float
+    stopped_early: bool
+    seconds: float
+
+    def plot(self, path: str | Path) -> Path:
+        """Save the smoothed loss against the LR (log axis), with the suggestion marked; needs matplotlib."""
+        from ..bench.plots import _pyplot
+
+        plt = _pyplot()
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        ax.plot(self.lrs, self.losses, color="#bbbbbb", lw=0.8, label="loss")
+        ax.plot(self.lrs, self.smoothed, color="#08519c", label="smoothed")
+        if self.suggestion is not None:
+            ax.axvline(self.suggestion, color="#e6550d", ls="--", label=f"suggestion {self.suggestion:.3g}")
+        ax.set_xscale("log")
+        ax.set_xlabel("learning rate")
+        ax.set_ylabel("training loss")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best")
+        fig.tight_layout()
+        out = Path(path)
+        fig.savefig(out, dpi=110)
+        plt.close(fig)
+        return out
+
+
+def _check_lr(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite real > 0, got {value!r}.")
+    return float(value)
+
+
+def lr_range_test(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterable[Any],
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    *,
+    lr_min: float = 1e-5,
+    lr_max: float = 10.0,
+    steps: int = 100,
+    smoothing: float = 0.9,
+    diverge: float = 4.0,
+) -> LRRangeTest:
+    """Run the LR range test (Smith 2017) and restore the model, the optimizer and the RNGs.
+
+    Step ``i`` of ``steps`` trains one batch at ``lr_min * (lr_max / lr_min) ** (i / (steps - 1))`` (every
+    param group). The test stops early when the loss is not finite or the smoothed loss exceeds ``diverge``
+    times its minimum.
+
+    Args:
+        model: The model to probe (its weights are restored afterwards).
+        optimizer: Its optimizer (state and LRs restored afterwards).
+        batches: At least ``steps`` batches, e.g. a DataLoader at the batch size you want the LR for.
+        loss_fn: ``loss_fn(model, batch) -> scalar loss tensor``.
+        lr_min, lr_max: The LR range, ``0 < lr_min < lr_max``.
+        steps: Steps in the sweep (>= 5).
+        smoothing: EMA factor of the smoothed loss, in ``[0, 1)``.
+        diverge: Stop once the smoothed loss exceeds this multiple of its minimum (> 1).
+
+    Raises:
+        ValueError: a bound, ``steps``, ``smoothing`` or ``diverge`` is out of range; ``batches`` ran out
+            before ``steps`` steps; ``loss_fn`` returned something other than a scalar tensor; the first loss
+            is not finite (nothing to compare with).
+    """
+    lo, hi = _check_lr(lr_min, "lr_min"), _check_lr(lr_max, "lr_max")
+    if lo >= hi:
+        raise ValueError(f"lr_min={lr_min!r} must be smaller than lr_max={lr_max!r}; e.g. lr_min=1e-5, lr_max=10.")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 5:
+        raise ValueError(f"steps must be an int >= 5, got {steps!r}; 100 is typical.")
+    if isinstance(smoothing, bool) or not isinstance(smoothing, numbers.Real) or not 0 <= smoothing < 1:
+        raise ValueError(f"smoothing must be a real in [0, 1), got {smoothing!r}.")
+    if isinstance(diverge, bool) or not isinstance(diverge, numbers.Real) or not diverge > 1:
+        raise ValueError(f"diverge must be a real > 1, got {diverge!r}.")
+
+    model_state = copy.deepcopy(model.state_dict())
+    optimizer_state = copy.deepcopy(optimizer.state_dict())
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    was_training = model.training
+    started = time.perf_counter()
+    lrs: list[float] = []
+    losses: list[float] = []
+    smoothed: list[float] = []
+    stopped_early = False
+    try:
+        model.train()
+        iterator = iter(batches)
+        average = 0.0
+        for i in range(steps):
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                raise ValueError(
+                    f"batches ran out after {i} of steps={steps} steps; pass at least {steps} batches "
+                    "(e.g. a DataLoader with enough samples, or fewer steps)."
+                ) from None
+            lr = lo * (hi / lo) ** (i / (steps - 1))
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.zero_grad()
+            loss = loss_fn(model, batch)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise ValueError(
+                    f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
+                    f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; reduce it with .mean()."
+                )
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                if i == 0:
+                    raise ValueError(f"the first loss is {value}; check the model and loss_fn before the test.")
+                stopped_early = True
+                break
+            lrs.append(lr)
+            losses.append(value)
+            average = smoothing * average + (1 - smoothing) * value
+            smoothed.append(average / (1 - smoothing ** (i + 1)))
+            if smoothed[-1] > diverge * min(smoothed):
+                stopped_early = True
+                break
+            loss.backward()
+            optimizer.step()
+    finally:
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optimizer_state)
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        model.train(was_training)
+    best = min(range(len(smoothed)), key=smoothed.__getitem__)
+    return LRRangeTest(lrs, losses, smoothed, _steepest(lrs, smoothed, best), lrs[best], stopped_early,
+                       time.perf_counter() - started)
+
+
+def _steepest(lrs: list[float], smoothed: list[float], best: int) -> float | None:
+    """The LR of the most negative slope d(smoothed)/d(log lr) among the points up to ``best``."""
+    if best < 1 or smoothed[0] - smoothed[best] <= 1e-9 * abs(smoothed[0]):  # it never fell (beyond rounding)
+        return None
+    slopes = [
+        (smoothed[j + 1] - smoothed[j]) / (math.log(lrs[j + 1]) - math.log(lrs[j])) for j in range(best)
+    ]
+    j = min(range(len(slopes)), key=slopes.__getitem__)
+    return lrs[j] if slopes[j] < 0 else None
