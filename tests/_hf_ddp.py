@@ -1,11 +1,13 @@
 """Run AdaptiveBatchSizeTrainer under torchrun (gloo on CPU) and write what each rank did.
 
     torchrun --standalone --nproc-per-node 2 [--max-restarts 1] tests/_hf_ddp.py OUT_DIR [--workers N]
-        [--save-steps K] [--fail-at-step S]
+        [--save-steps K] [--fail-at-step S] [--noise]
 
 Writes OUT_DIR/rank<r>.json: per step of this attempt the global size and this rank's sample ids (ghost
 micro-batches excluded), and the final weights. ``--fail-at-step S`` makes rank 1 exit after step S of the
 first attempt; every attempt resumes from the newest checkpoint in OUT_DIR/ckpt if there is one.
+``--noise`` measures the noise scale on every step and also writes each forward's sample ids and what rank
+0's controller saw.
 Set BATCHPILOT_INIT_TORCHRUN=1 to create the process group with batchpilot's init_torchrun (safe across
 torchrun restarts with gloo) before accelerate. Used by tests/test_hf.py.
 """

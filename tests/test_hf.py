@@ -8,6 +8,8 @@ What is checked, each against a value derived independently of the trainer:
 - gradients: weights equal a plain full-batch-mean SGD loop on the same samples (accumulation, ghosts);
 - the LR schedule runs on samples; LR coupling; TensorBoard receives the metrics; ``max_steps`` mode; bf16;
 - resume from a checkpoint gives the same samples, sizes and bitwise-equal weights;
+- gradient statistics: what a controller sees equals a by-hand two-batch noise-scale estimate (1 process
+  and 2 gloo ranks), a NoiseScale controller acts on them, and they survive a resume;
 - torchrun with 2 gloo ranks: equal sizes on every rank, exact coverage, weights equal a 1-process
   reference; a failed rank restarted by torchrun resumes to bitwise-equal weights.
 """

@@ -3,7 +3,8 @@
 Checked against values derived without Lightning: the sizes a controller decided, every sample once per
 epoch, weights equal to a plain full-batch-mean SGD loop, one validation per epoch, sample-weighted epoch
 means from ``self.log(..., batch_size=...)``, bitwise-equal mid-epoch resume without Lightning's
-"not resumable" warning, and 2 DDP ranks under torchrun.
+"not resumable" warning, 2 DDP ranks under torchrun, and gradient statistics equal to a by-hand
+two-batch noise-scale estimate (1 process and 2 DDP ranks).
 """
 
 from __future__ import annotations
