@@ -52,7 +52,7 @@ class StepStats:
                  every: int | None = None) -> None:
         check_measurable(world_size, accumulation_steps)
         self.world_size, self.accumulation_steps = world_size, accumulation_steps
-        self.probe = GradientNoiseProbe(params, every=every or DEFAULT_NOISE_EVERY, ranks_are_small_batches=True)
+        self.probe = GradientNoiseProbe(params, every=every or DEFAULT_NOISE_EVERY)  # never asked to split a step
         self.meter = StepMeter()
         self._hooked = False
         self._global = 0
@@ -87,6 +87,11 @@ class StepStats:
         # Under DDP the last backward already averaged .grad over ranks: its local increment is the one the
         # communication hook saw (none without the hook, and then this micro-batch is left out).
         self.probe.after_backward(size, to_mean, synced=self.world_size > 1 and last)
+
+    @property
+    def measuring(self) -> bool:
+        """Whether the step in flight is a measured one (its reduced gradient's norm is needed)."""
+        return self.probe.measuring
 
     def reduced(self, grad_norm: float | None) -> None:
         """The step's reduced gradient has norm ``grad_norm`` (before clipping): update the noise estimate.

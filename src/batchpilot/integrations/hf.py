@@ -142,8 +142,8 @@ class AdaptiveBatchSizeTrainer(Trainer):
         lr_factor(lr_rule, 1, 1, lr_knee)  # validates the rule
         self.batchpilot: HFRun | None = None
         self._bp_resume: str | None = None
-        self._bp_divisors: list[float] = []
-        self._bp_micro: list[tuple[int, bool]] = []  # (size, is_last) of the step's micro-batches still to run
+        # (loss divisor, size, is_last) of each micro-batch of the step in flight that has not run yet
+        self._bp_micro: list[tuple[float, int, bool]] = []
         self._bp_grad_norm: float | None = None
         self._bp_seen_at_start = 0
         self.add_callback(BatchpilotCallback(self))
@@ -326,11 +326,10 @@ class AdaptiveBatchSizeTrainer(Trainer):
                 f"a step yielded {len(micro)} micro-batches but Trainer expects {num_batches}; "
                 "the training loop and the loader disagree on gradient_accumulation_steps."
             )
-        self._bp_divisors = run.begin_step(micro)
+        self._bp_micro = [(d, m.size, m.is_last) for d, m in zip(run.begin_step(micro), micro)]
         if run.stats is not None:
             run.stats.attach(self.model_wrapped)  # DDP exists by now (Trainer wraps after on_train_begin)
             run.stats.begin_step(run.driver.step, micro[0].global_size)
-            self._bp_micro = [(m.size, m.is_last) for m in micro]
         data = [m.data for m in micro]
         if not self._loss_owns_scaling():
             return data, None  # the divisors weight each micro-batch (training_step)
@@ -347,16 +346,17 @@ class AdaptiveBatchSizeTrainer(Trainer):
     def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
         """``Trainer.training_step``, with the micro-batch weighted by its share of the global batch."""
         run = self.batchpilot
-        if run is not None and self._bp_divisors and not self._loss_owns_scaling():
+        micro = self._bp_micro.pop(0) if run is not None and self._bp_micro else None
+        if micro is not None and not self._loss_owns_scaling():
             # Trainer divides the loss by this number: B / (W * n) gives weight n / B per sample share.
-            self.current_gradient_accumulation_steps = self._bp_divisors.pop(0)
+            self.current_gradient_accumulation_steps = micro[0]
         if run is not None and run.stats is not None:
             run.stats.begin_micro()
         loss = super().training_step(model, inputs, num_items_in_batch)
         if run is not None:
             run.add_loss(loss)
-            if run.stats is not None and self._bp_micro:
-                size, last = self._bp_micro.pop(0)
+            if run.stats is not None and micro is not None:
+                _, size, last = micro
                 # Trainer divided the loss by B / (W n): the .grad increment is W n / B times the mean gradient.
                 to_mean = self.data_parallel_size * size / run.inflight.global_size
                 scaler = getattr(self.accelerator, "scaler", None)  # fp16: .grad holds the scaled gradient

@@ -312,7 +312,7 @@ class AdaptiveBatchSize(Callback):
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         micro = self.micro_batch
         self._inflight = 0 if micro is None else micro.global_size  # LR schedulers step before batch end
-        if self.stats is not None:  # reduced over ranks and unscaled, not yet clipped
+        if self.stats is not None and self.stats.measuring:  # reduced over ranks and unscaled, not yet clipped
             self.stats.reduced(grad_norm(self.stats.probe.params))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:

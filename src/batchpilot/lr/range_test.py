@@ -50,23 +50,16 @@ class LRRangeTest:
 
     def plot(self, path: str | Path) -> Path:
         """Save the smoothed loss against the LR (log axis), with the suggestion marked; needs matplotlib."""
-        from ..bench.plots import _pyplot
+        from ..bench.plots import _finish, _pyplot
 
-        plt = _pyplot()
-        fig, ax = plt.subplots(figsize=(6, 3.6))
+        fig, ax = _pyplot().subplots(figsize=(6, 3.6))
         ax.plot(self.lrs, self.losses, color="#bbbbbb", lw=0.8, label="loss")
         ax.plot(self.lrs, self.smoothed, color="#08519c", label="smoothed")
         if self.suggestion is not None:
             ax.axvline(self.suggestion, color="#e6550d", ls="--", label=f"suggestion {self.suggestion:.3g}")
         ax.set_xscale("log")
-        ax.set_xlabel("learning rate")
-        ax.set_ylabel("training loss")
-        ax.grid(alpha=0.3)
-        ax.legend(loc="best")
-        fig.tight_layout()
         out = Path(path)
-        fig.savefig(out, dpi=110)
-        plt.close(fig)
+        _finish(fig, ax, out, "learning rate", "training loss", "LR range test", legend_size=10, grid="major")
         return out
 
 
