@@ -172,19 +172,70 @@ def test_fixed_gradient_clipping_bounds_the_update():
     assert float(delta) == pytest.approx(1e-3, rel=1e-3)
 
 
-def test_bf16_autocast_on_cpu_runs_and_learns():
+@pytest.mark.parametrize("amp, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_autocast_on_cpu_runs_and_learns(amp, dtype):
     x = torch.randn(256, 8)
     ds = TensorDataset(x, (x[:, 0] > 0).long())
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    pilot = batchpilot.Pilot(model, opt, ds, batch_size=32, amp="bf16")
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=32, amp=amp, noise_every=4, max_micro_batch_size=16)
     dtypes = set()
     for xb, yb in pilot.batches(epochs=5):
         out = model(xb)
         dtypes.add(out.dtype)
         pilot.backward(torch.nn.functional.cross_entropy(out.float(), yb))
-    assert dtypes == {torch.bfloat16}
+    assert dtypes == {dtype}
     assert pilot.last_record["loss"] < 0.4
+    assert math.isfinite(pilot.last_record["stats/noise_scale"])  # statistics of the unscaled gradients
+    assert (pilot.scaler is not None) == (amp == "fp16")
+
+
+def fp16_run(amp, steps: int, blow_up_at: int | None = None, pilot_kw: dict | None = None):
+    """A float64 model (autocast leaves float64 alone, so fp16 changes only the loss scaling) trained with
+    accumulation, AdaScale and gradient statistics on every step; returns the pilot and the step records."""
+    ds, model = make_problem(n=200)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=48, max_micro_batch_size=16, lr_rule="adascale",
+                             base_batch_size=16, noise_every=1, amp=amp, seed=3, **(pilot_kw or {}))
+    records = []
+    pilot.add_callback(lambda p, record: records.append(dict(record)))
+    for x, y in pilot.batches(max_steps=steps):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        pilot.backward(loss * 1e305 if pilot.step == blow_up_at else loss)
+    return pilot, records
+
+
+def test_fp16_grad_scaler_is_exact_on_cpu_when_nothing_is_cast():
+    # The loss is scaled by 2**16 and the gradients unscaled before clipping, statistics and AdaScale: all of
+    # it must match the same run without a scaler bit for bit (powers of two are exact in floating point).
+    plain, want = fp16_run(None, 12)
+    scaled, got = fp16_run("fp16", 12)
+    assert scaled.scaler is not None and scaled.scaler.get_scale() == 2.0**16 and plain.scaler is None
+    assert all(torch.equal(a, b) for a, b in zip(plain.model.parameters(), scaled.model.parameters()))
+    for key in ("loss", "grad/norm", "stats/noise_scale", "stats/trace_cov", "lr/adascale_gain"):
+        assert [r.get(key) for r in got] == [r.get(key) for r in want], key
+    assert "stats/noise_scale" in got[-1] and scaled.adascale.progress == plain.adascale.progress
+
+
+def test_fp16_overflow_skips_the_step_lowers_the_scale_and_resumes(tmp_path):
+    pilot, records = fp16_run("fp16", 4, blow_up_at=2, pilot_kw={"log_path": tmp_path / "l.jsonl"})
+    before, after = records[1], records[2]  # step 3 (index 2) overflowed when scaled
+    assert after["train/skipped_steps"] == 1 and before["train/skipped_steps"] == 0
+    assert "lr/adascale_gain" not in after and "lr/adascale_gain" in records[3]  # a skipped step makes no progress
+    assert pilot.adascale.progress == pytest.approx(sum(r["lr/adascale_gain"] for r in records if "lr/adascale_gain" in r))
+    assert pilot.scaler.get_scale() == 2.0**15  # halved once
+    events = [r for r in batchpilot.read_log(tmp_path / "l.jsonl") if r["type"] == "event"]
+    assert [(e["step"], e["event"], e["reason"], e["loss_scale"]) for e in events] == [
+        (3, "skipped_step", "fp16 overflow", 2.0**15)]
+    # The weights did not move on the skipped step: replaying without it gives the same model.
+    ref, _ = fp16_run(None, 2)
+    skipped_once, _ = fp16_run("fp16", 3, blow_up_at=2)
+    assert all(torch.equal(a, b) for a, b in zip(ref.model.parameters(), skipped_once.model.parameters()))
+    # The scaler's state travels in the checkpoint.
+    path = skipped_once.save_checkpoint(tmp_path / "ck.pt")
+    fresh, _ = fp16_run("fp16", 0)
+    fresh.load_checkpoint(path)
+    assert fresh.scaler.get_scale() == 2.0**15 and fresh.step == 3
 
 
 def test_backward_misuse_is_reported():

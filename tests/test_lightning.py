@@ -192,6 +192,23 @@ def test_noise_scale_comes_from_the_micro_batches_exactly(tmp_path):
     assert fresh.stats.probe.estimator.count == measured + sum(len(s["ids"]) > 1 for s in more.steps)
 
 
+def test_fp16_grad_scaler_keeps_the_statistics_exact(tmp_path):
+    # Lightning makes no GradScaler on CPU by default; given one, .grad holds scaled gradients (autocast
+    # leaves the float64 net alone, so only the scaling differs) and the statistics must undo the scale.
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    spy = StatsSpy([12, 9, 15, 6])
+    adaptive = AdaptiveBatchSize(spy, batch_size=6, noise_every=1)
+    model = Model(adaptive, make_data(), val=False)
+    scaler = torch.amp.GradScaler("cpu")
+    fit = trainer(tmp_path, adaptive, accumulate_grad_batches=3, max_epochs=1,
+                  plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    fit.fit(model)
+    assert fit.precision_plugin.scaler is scaler and scaler.get_scale() == 2.0**16  # used, never overflowed
+    net = make_net()
+    check_noise_by_hand([s["micro"] for s in model.steps], spy.seen_stats, net, net_loss(net, make_data()))
+
+
 def test_gradient_statistics_need_a_small_batch(tmp_path):
     from batchpilot.controllers import NoiseScale
 

@@ -84,7 +84,9 @@ class Pilot:
         shuffle, seed, drop_last: Data order (see :class:`~batchpilot.AdaptiveBatchSampler`).
         num_workers, collate_fn, pin_memory, prefetch_factor: Data loading (see
             :class:`~batchpilot.AdaptiveDataLoader`).
-        amp: ``None``, ``"bf16"`` (autocast to bfloat16, CPU or CUDA) or ``"fp16"`` (CUDA, with a GradScaler).
+        amp: ``None``, ``"bf16"`` (autocast to bfloat16, CPU or CUDA) or ``"fp16"`` (autocast to float16 with a
+            ``torch.amp.GradScaler`` on the model's device: meant for CUDA; on CPU it runs, but ``"bf16"`` is
+            the faster choice there). A step whose scaled gradient overflows is skipped by the scaler.
         grad_clip: ``None``, a max global norm, or ``"stats"`` (:class:`~batchpilot.clipping.StatsClip`).
         skip_nonfinite: Skip the optimizer step when the loss or gradient norm is not finite.
         device: Where micro-batches are moved (default: the device of the model's first parameter).
@@ -214,9 +216,7 @@ class Pilot:
         self.adascale = AdaScaleLR(optimizer, base_batch_size or batch_size) if adascale else None
         self.lr_schedulers = list(lr_schedulers)
         self.amp = amp
-        if amp == "fp16" and self.device.type != "cuda":
-            raise ValueError(f"amp='fp16' needs a CUDA device (got {self.device}); use amp='bf16' on CPU.")
-        self.scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
+        self.scaler = torch.amp.GradScaler(self.device.type) if amp == "fp16" else None
         self.grad_clip = grad_clip
         self._stats_clip = StatsClip() if grad_clip == "stats" else None
         self.skip_nonfinite = skip_nonfinite
@@ -431,7 +431,9 @@ class Pilot:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         measuring = self._noise is not None and self._noise.measuring
-        needs_norm = self.skip_nonfinite or self.grad_clip is not None or measuring
+        # With a GradScaler and AdaScale the norm tells an overflowing step (skipped: no AdaScale progress).
+        needs_norm = self.skip_nonfinite or self.grad_clip is not None or measuring or \
+            (self.scaler is not None and self.adascale is not None)
         norm = grad_norm(self._params) if needs_norm else float("nan")
         stats = {}
         if self._noise is not None:
@@ -445,15 +447,13 @@ class Pilot:
             self._event("skipped_step", {"loss": loss, "grad_norm": norm})
         else:
             self._clip(norm)
-            if self.scaler is not None:
-                scale_before = self.scaler.get_scale()
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-                if self.scaler.get_scale() < scale_before:
-                    skipped = True
-                    self.skipped_steps += 1
-            else:
-                self._optimizer_step(size, stats)
+            overflow = self.scaler is not None and needs_norm and not math.isfinite(norm)
+            if self._optimizer_step(size, stats, overflow):
+                skipped = True
+                self.skipped_steps += 1
+                # Routine while the GradScaler finds its scale: logged, not warned.
+                self._event("skipped_step", {"loss": loss, "grad_norm": norm, "reason": "fp16 overflow",
+                                             "loss_scale": self.scaler.get_scale()}, warn=False)
         self.optimizer.zero_grad(set_to_none=True)
 
         self.step += 1
@@ -508,15 +508,25 @@ class Pilot:
             self.save_checkpoint()
         self._step_clock = time.perf_counter()
 
-    def _optimizer_step(self, size: int, stats: dict[str, float]) -> None:
-        if self.adascale is None:
-            self.optimizer.step()
-            return
-        gain = self.adascale.gain_for(size, stats.get("stats/trace_cov"), stats.get("stats/grad_sq_norm"))
-        self.adascale.scale(gain)
-        self.optimizer.step()
-        self.adascale.unscale()
-        stats["lr/adascale_gain"] = gain
+    def _optimizer_step(self, size: int, stats: dict[str, float], overflow: bool) -> bool:
+        """Step the optimizer (through the GradScaler with fp16, with AdaScale's gain in the LR when on);
+        return whether the scaler skipped the step (its scale fell: the scaled gradient overflowed)."""
+        gain = None
+        if self.adascale is not None and not overflow:  # an overflowing step is skipped: it makes no progress
+            gain = self.adascale.gain_for(size, stats.get("stats/trace_cov"), stats.get("stats/grad_sq_norm"))
+            self.adascale.scale(gain)
+            stats["lr/adascale_gain"] = gain
+        try:
+            if self.scaler is None:
+                self.optimizer.step()
+                return False
+            scale_before = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            return self.scaler.get_scale() < scale_before
+        finally:
+            if gain is not None:
+                self.adascale.unscale()
 
     def _clip(self, norm: float) -> None:
         if self.grad_clip is None:
