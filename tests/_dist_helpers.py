@@ -31,7 +31,7 @@ def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(5, 12), torch.nn.Tanh(), torch.nn.Linear(12, 2)).double()
 
 
-def train(steps: int, rank: int, world_size: int, wrap_ddp: bool, micro: int | None) -> dict:
+def train(steps: int, rank: int, world_size: int, wrap_ddp: bool, micro: int | None, amp: str | None = None) -> dict:
     """Train ``steps`` steps; return the per-step (global size, local indices) and the final weights."""
     model = make_model()
     if wrap_ddp:
@@ -41,7 +41,7 @@ def train(steps: int, rank: int, world_size: int, wrap_ddp: bool, micro: int | N
     controller = SizeList(SIZES) if rank == 0 else SizeList([0])
     pilot = batchpilot.Pilot(
         model, opt, make_data(), batch_size=4, controller=controller, max_micro_batch_size=micro, seed=5,
-        lr_rule="linear", base_batch_size=4, noise_every=2,
+        lr_rule="linear", base_batch_size=4, noise_every=2, amp=amp,
     )
     records: list[dict] = []
     current: list[int] = []
@@ -62,10 +62,11 @@ def train(steps: int, rank: int, world_size: int, wrap_ddp: bool, micro: int | N
     return {"records": records, "weights": [p.detach().tolist() for p in module.parameters()], "noise": noise}
 
 
-def worker(rank: int, world_size: int, init_file: str, out_dir: str, steps: int, wrap_ddp: bool, micro) -> None:
+def worker(rank: int, world_size: int, init_file: str, out_dir: str, steps: int, wrap_ddp: bool, micro,
+           amp: str | None = None) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
-        result = train(steps, rank, world_size, wrap_ddp, micro)
+        result = train(steps, rank, world_size, wrap_ddp, micro, amp)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()

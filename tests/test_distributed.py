@@ -1,5 +1,6 @@
 """Two real gloo processes: exact coverage across ranks, one size per step everywhere, gradients equal to
-a single-process reference at the same global batch, with and without DistributedDataParallel."""
+a single-process reference at the same global batch, with and without DistributedDataParallel; an fp16
+GradScaler changes nothing but the scaling (weights and gradient statistics)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ pytestmark = pytest.mark.distributed
 REPO = Path(__file__).resolve().parents[1]
 
 
-def spawn(tmp_path: Path, steps: int, wrap_ddp: bool, micro) -> list[dict]:
+def spawn(tmp_path: Path, steps: int, wrap_ddp: bool, micro, amp: str | None = None) -> list[dict]:
     mp.spawn(
-        h.worker, args=(2, str(tmp_path / "init"), str(tmp_path), steps, wrap_ddp, micro), nprocs=2, join=True
+        h.worker, args=(2, str(tmp_path / "init"), str(tmp_path), steps, wrap_ddp, micro, amp), nprocs=2, join=True
     )
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
@@ -59,6 +60,22 @@ def test_two_ranks_cover_exactly_agree_on_sizes_and_match_one_process(tmp_path, 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("wrap_ddp", [True, False])
+def test_fp16_grad_scaler_over_two_ranks_changes_nothing_but_the_scaling(tmp_path, wrap_ddp):
+    # float64 model: autocast casts nothing, so with amp="fp16" only the GradScaler acts. Under DDP the last
+    # micro-batch's scaled gradient is read inside the all-reduce; the statistics must divide the scale out.
+    steps = 20
+    (tmp_path / "fp16").mkdir()
+    (tmp_path / "fp32").mkdir()
+    scaled = spawn(tmp_path / "fp16", steps, wrap_ddp, 4, amp="fp16")
+    plain = spawn(tmp_path / "fp32", steps, wrap_ddp, 4)
+    assert scaled[0]["records"] == plain[0]["records"] and scaled[1]["records"] == plain[1]["records"]
+    for s_rank, p_rank in zip(scaled, plain):
+        assert s_rank["noise"] == pytest.approx(p_rank["noise"], rel=1e-12) and "stats/trace_cov" in s_rank["noise"]
+        for a, b in zip(s_rank["weights"], p_rank["weights"]):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-12, atol=1e-14)
+
+
 def test_example_runs_under_torchrun_and_survives_a_rank_failure(tmp_path):
     """torchrun --nproc-per-node 2 with a rank that dies in the first attempt: the restarted job resumes
     from the last checkpoint and ends with the same sizes and weights as an uninterrupted job."""
