@@ -1,7 +1,7 @@
 """A tiny Lightning fit driven by AdaptiveBatchSize; importable (tests/test_lightning.py) and runnable under
 torchrun (2 gloo ranks on CPU):
 
-    torchrun --standalone --nproc-per-node 2 tests/_lightning_ddp.py OUT_DIR [--noise]
+    torchrun --standalone --nproc-per-node 2 tests/_lightning_ddp.py OUT_DIR [--noise] [--manual]
 
 Writes OUT_DIR/rank<r>.json: per optimizer step the global size and this rank's sample ids, and the final
 weights.
@@ -81,18 +81,35 @@ class Model(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class ManualModel(Model):
+    """``Model`` with manual optimization: one ``manual_backward`` and one optimizer step per batch."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)  # already weighted by adaptive.weight
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+
 def main() -> None:
-    out, noise = Path(sys.argv[1]), "--noise" in sys.argv[2:]
+    out, noise, manual = Path(sys.argv[1]), "--noise" in sys.argv[2:], "--manual" in sys.argv[2:]
+    module = ManualModel if manual else Model  # manual optimization: no accumulation (Lightning's rule)
     if noise:
         controller = StatsSpy(NOISE_SIZES)
         adaptive = AdaptiveBatchSize(controller, batch_size=4, noise_every=1)
-        model = Model(adaptive, make_data(NOISE_SAMPLES), val=False)
+        model = module(adaptive, make_data(NOISE_SAMPLES), val=False)
     else:
         controller = SizeList(SIZES)
         adaptive = AdaptiveBatchSize(controller, batch_size=4)
-        model = Model(adaptive, make_data(), val=False)
+        model = module(adaptive, make_data(), val=False)
     trainer = L.Trainer(
-        max_epochs=2, accelerator="cpu", devices=2, strategy="ddp", accumulate_grad_batches=2,
+        max_epochs=2, accelerator="cpu", devices=2, strategy="ddp", accumulate_grad_batches=1 if manual else 2,
         callbacks=[adaptive], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False,
     )

@@ -3,8 +3,9 @@
 Checked against values derived without Lightning: the sizes a controller decided, every sample once per
 epoch, weights equal to a plain full-batch-mean SGD loop, one validation per epoch, sample-weighted epoch
 means from ``self.log(..., batch_size=...)``, bitwise-equal mid-epoch resume without Lightning's
-"not resumable" warning, 2 DDP ranks under torchrun, and gradient statistics equal to a by-hand
-two-batch noise-scale estimate (1 process and 2 DDP ranks).
+"not resumable" warning, 2 DDP ranks under torchrun, manual optimization, and gradient statistics equal
+to a by-hand two-batch noise-scale estimate (1 process, 2 DDP ranks, manual optimization on 2 ranks, and
+under an fp16 GradScaler).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 L = pytest.importorskip("lightning")
 
 from _hf_common import SizeList, StatsSpy, check_noise_by_hand
-from _lightning_ddp import NOISE_SAMPLES, NUM_SAMPLES, SIZES, Model, make_data, make_net
+from _lightning_ddp import NOISE_SAMPLES, NUM_SAMPLES, SIZES, ManualModel, Model, make_data, make_net
 
 from batchpilot.controllers import LinearIncrease
 from batchpilot.integrations.lightning import AdaptiveBatchSize
@@ -93,6 +94,25 @@ def test_sizes_coverage_gradients_validation_and_logging(tmp_path, workers):
     assert float(metrics["epoch"]) == 2.0 and float(metrics["train_coverage"]) == 0.0
     assert float(metrics["batch_size"]) == model.steps[-1]["size"]
     assert float(metrics["samples_seen"]) == 2 * NUM_SAMPLES
+
+
+def test_manual_optimization_follows_the_sizes_exactly(tmp_path):
+    # With automatic_optimization=False each batch is a whole step (Lightning allows no accumulation there):
+    # the module calls manual_backward(adaptive.weight(loss)) and steps once per batch.
+    data = make_data()
+    adaptive = AdaptiveBatchSize(SizeList(SIZES), batch_size=4)
+    model = ManualModel(adaptive, data)
+    fit = trainer(tmp_path, adaptive)
+    fit.fit(model)
+    assert [s["size"] for s in model.steps] == expected_sizes(4, SIZES, NUM_SAMPLES, 2)
+    assert fit.global_step == len(model.steps) and adaptive.driver.step == len(model.steps)
+    per_epoch = collections.defaultdict(list)
+    for s in model.steps:
+        per_epoch[s["epoch"]].extend(s["ids"])
+    assert [sorted(per_epoch[e]) for e in (0, 1)] == [list(range(NUM_SAMPLES))] * 2
+    for got, want in zip(model.net.parameters(), sgd_reference(model.steps, data)):
+        torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-13)
+    assert model.validations == 2 and adaptive.samples_seen == 2 * NUM_SAMPLES
 
 
 def test_logged_progress_reaches_loggers(tmp_path):
@@ -215,14 +235,20 @@ def test_gradient_statistics_need_a_small_batch(tmp_path):
     adaptive = AdaptiveBatchSize(NoiseScale(), batch_size=4)
     with pytest.raises(ValueError, match="accumulate_grad_batches >= 2"):
         trainer(tmp_path, adaptive).fit(Model(adaptive, make_data(), val=False))
+    adaptive = AdaptiveBatchSize(NoiseScale(), batch_size=4)
+    with pytest.raises(ValueError, match="manual optimization .* on one process; train on >= 2 ranks"):
+        trainer(tmp_path, adaptive).fit(ManualModel(adaptive, make_data(), val=False))
     with pytest.raises(ValueError, match="noise_every"):
         AdaptiveBatchSize(batch_size=4, noise_every=0)
 
 
 @pytest.mark.distributed
-def test_ddp_noise_scale_from_the_ranks_and_micro_batches(tmp_path):
-    """2 gloo ranks x 2 micro-batches: each rank's last micro-batch is read inside DDP's all-reduce."""
-    ranks = torchrun(tmp_path, "--noise")
+@pytest.mark.parametrize("manual", [False, True])
+def test_ddp_noise_scale_from_the_ranks_and_micro_batches(tmp_path, manual):
+    """2 gloo ranks x 2 micro-batches: each rank's last micro-batch is read inside DDP's all-reduce. With
+    manual optimization (one micro-batch per step) the ranks alone are the small batches."""
+    ranks = torchrun(tmp_path, "--noise", *(["--manual"] if manual else []))
+    assert {len(s["micro"]) for r in ranks for s in r["steps"]} == ({1} if manual else {2})
     steps = zip(ranks[0]["steps"], ranks[1]["steps"])
     net = make_net()
     check_noise_by_hand([a["micro"] + b["micro"] for a, b in steps], ranks[0]["stats"], net,

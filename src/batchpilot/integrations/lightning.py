@@ -258,6 +258,14 @@ class AdaptiveBatchSize(Callback):
         self.driver.start_clock()
         self._validate_at_epoch_end(trainer)
         if self._measure and self.stats is None:
+            if not pl_module.automatic_optimization and trainer.world_size == 1:
+                raise ValueError(
+                    "the batch size controller reads gradient statistics (the noise scale), which need two batch "
+                    "sizes per measured step, but this module uses manual optimization (one batch per step: "
+                    "Lightning allows no accumulate_grad_batches there) on one process; train on >= 2 ranks "
+                    "(each rank's batch is then a small batch), or use automatic optimization with "
+                    "accumulate_grad_batches >= 2."
+                )
             check_measurable(trainer.world_size, trainer.accumulate_grad_batches)
             params = [p for p in pl_module.parameters() if p.requires_grad]
             self.stats = StepStats(params, world_size=trainer.world_size,
