@@ -105,3 +105,45 @@ def test_adascale_lr_rule_scales_by_the_measured_gain_and_counts_progress():
     assert rec["lr/adascale_gain"] == pytest.approx(expected, rel=1e-12)
     assert pilot.adascale.progress == pytest.approx(sum(gains), rel=1e-12)  # progress: the sum of the gains
     assert opt.param_groups[0]["lr"] == 0.001  # the gain is applied around each optimizer step only
+
+
+def test_micro_timer_on_cpu_is_the_wall_clock_and_feeds_the_throughput_model():
+    import time
+
+    from batchpilot.measure import MicroTimer, StepMeter
+
+    timer = MicroTimer("cpu")
+    assert not timer.cuda
+    timer.start()
+    time.sleep(0.02)
+    elapsed = timer.stop()
+    assert isinstance(elapsed, float) and 0.02 <= elapsed < 0.5 and MicroTimer.seconds(elapsed) == elapsed
+    meter = StepMeter(system_every=None)
+    for size in (8, 16, 32, 8, 16, 32):
+        meter.begin_micro()
+        time.sleep(0.001 * size)  # a + b m with b = 1 ms per sample
+        meter.end_micro(size)
+        meter.end_step(1, 1.0, 0.001 * size, skipped=False)
+    a, b = meter.throughput.fit()
+    assert b == pytest.approx(0.001, rel=0.5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_micro_timer_on_cuda_counts_the_queued_work_not_the_launches():
+    import time
+
+    from batchpilot.measure import MicroTimer
+
+    x = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    timer = MicroTimer(x.device)
+    began = time.perf_counter()
+    timer.start()
+    for _ in range(50):
+        x = torch.tanh(x @ x)
+    pending = timer.stop()
+    launched = time.perf_counter() - began  # the wall clock when the work is only queued
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - began
+    assert launched < 0.5 * wall  # the work really ran asynchronously
+    assert MicroTimer.seconds(pending) == pytest.approx(wall, rel=0.3)

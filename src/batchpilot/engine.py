@@ -359,7 +359,7 @@ class Pilot:
         if micro.micro_index == 0 and self._noise is not None:
             self._noise.begin_step(micro.step)
         data = _to_device(micro.data, self.device)
-        started = time.perf_counter()
+        self._meter.begin_micro()
         if not (self._ddp or self.amp):
             yield data  # the common case, without context managers
         else:
@@ -371,7 +371,7 @@ class Pilot:
                     stack.enter_context(torch.autocast(self.device.type, dtype=dtype))
                 yield data
         if not micro.ghost:
-            self._meter.micro(micro.size, time.perf_counter() - started)
+            self._meter.end_micro(micro.size)
         if not self._backward_done:
             raise RuntimeError(
                 "pilot.backward(loss) was not called for the last micro-batch; call it exactly once per "

@@ -176,6 +176,46 @@ class GradientNoiseProbe:
         self.estimator.load_state_dict(state["estimator"])
 
 
+class MicroTimer:
+    """Times one micro-batch's forward and backward for the throughput model (Pollux's ``T_grad``).
+
+    On CPU: the wall clock. On a CUDA device kernels run asynchronously, so when ``backward()`` returns the
+    work may still be queued and the wall clock would time the kernel launches only; the GPU time would then
+    land in the per-step overhead and the model would price large batches as free. There a pair of CUDA
+    events on the current stream times the micro-batch; :func:`seconds` reads it (waiting for the end event)
+    when the step ends.
+    """
+
+    def __init__(self, device: Any = None) -> None:
+        self.cuda = device is not None and torch.device(device).type == "cuda"
+        self._start: Any = None
+
+    def start(self) -> None:
+        """A micro-batch's forward starts now."""
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> float | tuple[Any, Any]:
+        """Its backward returned: elapsed seconds, or (on CUDA) the event pair to read with :func:`seconds`."""
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            return self._start, end
+        return time.perf_counter() - self._start
+
+    @staticmethod
+    def seconds(value: float | tuple[Any, Any]) -> float:
+        """Seconds of a :meth:`stop` result (for CUDA events: waits until the end event has happened)."""
+        if isinstance(value, tuple):
+            start, end = value
+            end.synchronize()
+            return start.elapsed_time(end) / 1000.0
+        return value
+
+
 class StepMeter:
     """Loss trend, the online throughput model and (optionally) system load, updated once per step.
 
@@ -200,11 +240,20 @@ class StepMeter:
         self._system: dict[str, float] = {}
         self._metrics: dict[str, float] = {}
         self.refresh_every = 10 if system_every is None else math.gcd(10, system_every)
+        self.timer = MicroTimer(device)
         self._micro_sizes: list[int] = []
-        self._micro_seconds: list[float] = []
+        self._micro_seconds: list[float | tuple[Any, Any]] = []
 
-    def micro(self, size: int, seconds: float) -> None:
-        """One micro-batch's forward/backward time (ghost micro-batches are not passed in)."""
+    def begin_micro(self) -> None:
+        """A micro-batch's forward starts."""
+        self.timer.start()
+
+    def end_micro(self, size: int) -> None:
+        """Its backward returned (not called for ghost micro-batches)."""
+        self.micro(size, self.timer.stop())
+
+    def micro(self, size: int, seconds: float | tuple[Any, Any]) -> None:
+        """One micro-batch's forward/backward time: seconds, or a :meth:`MicroTimer.stop` result."""
         self._micro_sizes.append(size)
         self._micro_seconds.append(seconds)
 
@@ -213,7 +262,8 @@ class StepMeter:
         if not skipped and math.isfinite(loss):
             self.trend.update(loss)
         if self._micro_sizes:
-            self.throughput.observe_step(self._micro_sizes, self._micro_seconds, max(step_seconds, sum(self._micro_seconds)))
+            seconds = [MicroTimer.seconds(s) for s in self._micro_seconds]
+            self.throughput.observe_step(self._micro_sizes, seconds, max(step_seconds, sum(seconds)))
         self._micro_sizes.clear()
         self._micro_seconds.clear()
         if step % self.refresh_every == 0 or not self._metrics:

@@ -53,11 +53,10 @@ class StepStats:
         check_measurable(world_size, accumulation_steps)
         self.world_size, self.accumulation_steps = world_size, accumulation_steps
         self.probe = GradientNoiseProbe(params, every=every or DEFAULT_NOISE_EVERY)  # never asked to split a step
-        self.meter = StepMeter()
+        self.meter = StepMeter(device=params[0].device if params else None)  # CUDA: micro-batches timed by events
         self._hooked = False
         self._global = 0
         self._started = 0.0
-        self._micro_started = 0.0
         self._stats: dict[str, float] = {}
 
     def attach(self, wrapped_model: Any) -> None:
@@ -76,14 +75,14 @@ class StepStats:
         self.probe.begin_step(step)
 
     def begin_micro(self) -> None:
-        self._micro_started = time.perf_counter()
+        self.meter.begin_micro()
 
     def after_micro(self, size: int, last: bool, to_mean: float) -> None:
         """A micro-batch of ``size`` samples (0: a ghost) finished its backward; ``last``: the step's last on
         this rank. ``to_mean``: the factor between its ``.grad`` increment and its mean gradient (its loss
         weight, times a fp16 loss scale)."""
         if size:
-            self.meter.micro(size, time.perf_counter() - self._micro_started)
+            self.meter.end_micro(size)
         # Under DDP the last backward already averaged .grad over ranks: its local increment is the one the
         # communication hook saw (none without the hook, and then this micro-batch is left out).
         self.probe.after_backward(size, to_mean, synced=self.world_size > 1 and last)
