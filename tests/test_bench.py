@@ -37,6 +37,47 @@ RUN_KEYS = {"policy", "seed", "time_to_target_s", "steps_to_target", "samples_to
             "wall_s", "batch_sizes"}
 
 
+def test_bench_resume_trains_only_the_missing_runs(tmp_path, capsys):
+    bench = ["bench", "--workload", "synthetic", "--policies", "static:32,noise-scale", "--seeds", "0,1",
+             "--budget-s", "20", "--no-progress", "--calibrate-steps", "1"]
+    full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
+    assert main([*bench, "--out", str(full_dir)]) == 0
+    full = json.loads((full_dir / "results.json").read_text())
+    # An interrupted bench: results.json holds the first two of its four runs (written after every run).
+    cut = dict(full, runs=full["runs"][:2])
+    cut_dir.mkdir()
+    (cut_dir / "results.json").write_text(json.dumps(cut))
+    capsys.readouterr()
+    assert main([*bench, "--out", str(cut_dir), "--resume"]) == 0
+    resumed = json.loads((cut_dir / "results.json").read_text())
+    assert resumed["runs"][:2] == full["runs"][:2]  # kept as they were, not retrained
+    assert [(r["policy"], r["seed"]) for r in resumed["runs"]] == [(r["policy"], r["seed"]) for r in full["runs"]]
+    for a, b in zip(resumed["runs"][2:], full["runs"][2:]):  # the same training: same steps and samples
+        assert (a["steps_to_target"], a["samples_to_target"]) == (b["steps_to_target"], b["samples_to_target"])
+    assert resumed["calibration"] == full["calibration"]  # the cost model of the first session
+    assert [r["after_runs"] for r in resumed["config"]["resumed"]] == [2]
+    assert set(resumed["summary"]) == set(full["summary"]) and (cut_dir / "report.md").exists()
+    # Nothing left to train: a second resume adds no run.
+    assert main([*bench, "--out", str(cut_dir), "--resume"]) == 0
+    again = json.loads((cut_dir / "results.json").read_text())
+    assert again["runs"] == resumed["runs"] and [r["after_runs"] for r in again["config"]["resumed"]] == [2, 4]
+
+
+def test_bench_resume_refuses_other_settings_or_a_damaged_file(tmp_path, capsys):
+    bench = ["bench", "--workload", "synthetic", "--policies", "static:32", "--budget-s", "20", "--no-progress",
+             "--calibrate-steps", "1", "--out", str(tmp_path), "--resume"]
+    assert main([*bench, "--seeds", "0"]) == 0  # no results.json yet: starts afresh
+    with pytest.raises(SystemExit) as exc:
+        main([*bench, "--seeds", "0,1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "other settings (seeds: [0] there, [0, 1] now)" in err and "another --out" in err
+    (tmp_path / "results.json").write_text('{"runs": [')
+    with pytest.raises(SystemExit):
+        main([*bench, "--seeds", "0"])
+    assert "not a complete bench results.json" in capsys.readouterr().err
+
+
 def test_bench_cli_synthetic_end_to_end(tmp_path, capsys):
     out = tmp_path / "bench"
     code = main(["bench", "--workload", "synthetic", "--policies", "static:32,ramp:16-128", "--seeds", "0",

@@ -1,7 +1,8 @@
 """The ``batchpilot`` command.
 
     batchpilot bench [--workload mnist1d|digits|seqsum|synthetic|all] [--policies default] [--seeds 0,1,2,3,4]
-                     [--target-accuracy A] [--budget-s S] [--eval-every E] [--out DIR] [--quick] [--list]
+                     [--target-accuracy A] [--budget-s S] [--eval-every E] [--out DIR] [--resume] [--quick]
+                     [--list]
     batchpilot report LOG.jsonl|results.json --out DIR [--x samples|time]
 
 Bad input (an unknown policy or workload, a malformed number, a missing log) ends with a one-line message
@@ -63,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
                        "per workload). Default: ./bench-out.")
     bench.add_argument("--quick", action="store_true",
                        help="a short run: one seed, the quick policy set, a lower target, a short budget.")
+    bench.add_argument("--resume", action="store_true",
+                       help="continue an interrupted bench in --out: keep its finished runs and its calibration, "
+                       "train only the missing ones (the settings must be the same).")
     bench.add_argument("--list", action="store_true", help="list the workloads and policies, and exit.")
     bench.add_argument("--threads", type=int, default=None,
                        help="torch.set_num_threads for the run (default: leave torch's setting). On a busy "
@@ -163,9 +167,11 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         folder = out / workload.name if len(workloads) > 1 else out
         try:
             results = run_benchmark(workload, policies, seeds, target, budget, folder, args.eval_every, args.progress,
-                                    calibrate_steps=args.calibrate_steps, tune_factors=factors)
+                                    calibrate_steps=args.calibrate_steps, tune_factors=factors, resume=args.resume)
         except ImportError as exc:  # a missing optional extra (mnist1d, scikit-learn)
             parser.exit(2, f"batchpilot bench: error: {exc}\n")
+        except ValueError as exc:  # --resume from a damaged or different results.json
+            parser.error(str(exc))
         except KeyboardInterrupt:
             parser.exit(130, f"\nbatchpilot bench: interrupted; finished runs are in {folder / 'results.json'}\n")
         everything[workload.name] = results

@@ -100,6 +100,14 @@ class Calibration:
         best = max(rates.values())
         return min(b for b, r in rates.items() if r >= (1.0 - tolerance) * best)
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Calibration:
+        """The calibration :meth:`to_json` wrote (``KeyError``/``TypeError``/``ValueError`` if it is not one)."""
+        known = {"sizes", "step_s", "probe_step_s", "samples_per_s", "seconds", "plain_seconds", "steps_per_size"}
+        return cls([int(b) for b in data["sizes"]], [float(t) for t in data["step_s"]],
+                   [float(t) for t in data["probe_step_s"]], float(data["seconds"]), float(data["plain_seconds"]),
+                   int(data["steps_per_size"]), {k: v for k, v in data.items() if k not in known})
+
     def to_json(self) -> dict[str, Any]:
         return {
             "sizes": self.sizes,

@@ -42,7 +42,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .calibrate import calibrate, size_grid
+from .calibrate import Calibration, calibrate, size_grid
 from .policies import DESCRIPTIONS, POLICY_HELP, TUNE_FACTORS, Policy, parse_policies, parse_policy
 from .progress import Progress, run_line
 from .specs import Plan, expand
@@ -54,6 +54,38 @@ __all__ = ["Policy", "evaluate", "finish_results", "parse_policies", "parse_poli
 
 DEFAULT_POLICIES = "default"
 _POLICY_HELP = POLICY_HELP  # the foundation's name, kept for callers
+# What must match for a resumed bench to continue an earlier one (runs of both are compared side by side).
+RESUME_KEYS = ("policies", "seeds", "budget_s", "eval_every_epochs", "lr_rule", "base_batch_size", "base_lr",
+               "tune_factors", "smith_every_epochs", "min_batch_size", "max_batch_size", "train_samples",
+               "test_samples", "torch", "torch_threads")
+
+
+def _previous(path: Path) -> dict[str, Any] | None:
+    """The results.json an interrupted bench left in ``path`` (``None`` if there is none)."""
+    if not path.exists():
+        return None
+    fix = "delete it or pass another --out to start afresh"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        Calibration.from_json(data["calibration"])
+        runs, config = data["runs"], data["config"]
+        if not isinstance(runs, list) or not isinstance(config, dict):
+            raise TypeError("runs or config has the wrong type")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"cannot resume from {str(path)!r}: it is not a complete bench results.json ({exc}); {fix}.") from None
+    return data
+
+
+def _check_resumable(previous: dict[str, Any], now: dict[str, Any], path: Path) -> None:
+    """Raise unless ``previous`` (an earlier results.json) was run with the settings of ``now``."""
+    old = {"workload": previous.get("workload"), "target_accuracy": previous.get("target_accuracy"),
+           **{k: previous["config"].get(k) for k in RESUME_KEYS}}
+    new = {"workload": now["workload"], "target_accuracy": now["target_accuracy"],
+           **{k: now["config"].get(k) for k in RESUME_KEYS}}
+    differ = [f"{k}: {old[k]!r} there, {new[k]!r} now" for k in old if old[k] != new[k]]
+    if differ:
+        raise ValueError(f"cannot resume from {str(path)!r}: it was run with other settings ({'; '.join(differ)}); "
+                         "rerun with the same settings, or pass another --out to start afresh.")
 
 
 # --------------------------------------------------------------------------------------- the bench
@@ -81,6 +113,7 @@ def run_benchmark(
     *,
     calibrate_steps: int = 4,
     tune_factors: Sequence[float] = TUNE_FACTORS,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Train ``workload`` under every policy for every seed and report the time to ``target_accuracy``.
 
@@ -95,6 +128,11 @@ def run_benchmark(
         progress: Show progress and print one line per finished run.
         calibrate_steps: Timed steps per batch size and round in the calibration (3 rounds).
         tune_factors: The LR grid of ``tuned-static``, as multiples of the rule LR.
+        resume: Continue the bench whose ``results.json`` is in ``out_dir`` (an interrupted one): keep its
+            finished runs and its calibration (so the cost model stays the same), train only the missing
+            (seed, run) pairs, and note the resumption in ``config["resumed"]``. The earlier run must have
+            the same workload, target, policies, seeds, budget and machine settings (``RESUME_KEYS``).
+            Without a ``results.json`` there it starts afresh.
 
     Returns:
         The results dict, also written to ``out_dir/results.json`` (schema in docs/benchmark.md):
@@ -103,7 +141,8 @@ def run_benchmark(
         ``finder``, ``members``, ``config``.
 
     Raises:
-        ValueError: unknown workload, malformed policy, no seeds, or a bad target/budget/eval_every.
+        ValueError: unknown workload, malformed policy, no seeds, or a bad target/budget/eval_every; with
+            ``resume``, a ``results.json`` that is damaged or was run with other settings.
     """
     wl = get_workload(workload)
     pols = parse_policies(policies)
@@ -120,6 +159,7 @@ def run_benchmark(
         raise ValueError(f"eval_every must be a positive number of epochs, got {eval_every!r}.")
     out = Path(out_dir)
     show = Progress(progress)
+    previous = _previous(out / "results.json") if resume else None
 
     show.note(f"batchpilot bench: building the {wl.name} data ...")
     t0 = time.perf_counter()
@@ -129,10 +169,15 @@ def run_benchmark(
     lo, hi = min(wl.min_batch_size, n), min(wl.max_batch_size, n)
     extra = [s for p in pols if p.batch_size for s in (p.batch_size, p.end)]
     sizes = size_grid(lo, hi, extra)
-    show.note(f"calibrating step times at batch sizes {', '.join(map(str, sizes))} ...")
-    cal = calibrate(wl, train, sizes, steps=calibrate_steps)
+    if previous is not None:
+        cal = Calibration.from_json(previous["calibration"])
+        show.note(f"resuming {out / 'results.json'}: {len(previous['runs'])} runs done; reusing its calibration")
+    else:
+        show.note(f"calibrating step times at batch sizes {', '.join(map(str, sizes))} ...")
+        cal = calibrate(wl, train, sizes, steps=calibrate_steps)
+        show.note(f"calibration took {cal.seconds:.1f} s")
     finder = cal.finder_size(hi)
-    show.note(f"calibration took {cal.seconds:.1f} s; finder picks batch {finder}")
+    show.note(f"finder picks batch {finder}")
 
     plan = Plan(wl.base_lr, wl.base_batch_size, wl.lr_rule, n, lo, hi, finder, tuple(tune_factors),
                 wl.smith_every_epochs)
@@ -169,13 +214,22 @@ def run_benchmark(
             "description": wl.description,
         },
     }
+    if previous is not None:
+        _check_resumable(previous, results, out / "results.json")
+        results["runs"] = previous["runs"]
+        resumed = previous["config"].get("resumed", [])
+        results["config"]["resumed"] = resumed + [{"after_runs": len(previous["runs"]),
+                                                   "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}]
     finish_results(results)
+    done = {(r["policy"], r["seed"]) for r in results["runs"]}
     total = len(seeds) * len(specs)
     index = 0
     for i, seed in enumerate(seeds):
         k = i % len(specs)
         for spec in specs[k:] + specs[:k]:  # seed-major, order rotated per seed
             index += 1
+            if (spec.name, seed) in done:
+                continue
             label = f"[{index}/{total}] {spec.name} seed {seed}"
             show.start(label, budget_s)
             run = train_one(wl, spec, seed, train, test, target=target, budget_s=budget_s, eval_every=eval_every,
@@ -184,6 +238,7 @@ def run_benchmark(
             finish_results(results)
             _write_json(out / "results.json", results)
             show.finish(run_line(label, run, target))
+    _write_json(out / "results.json", results)  # also when a resumed bench had nothing left to train
     return results
 
 
