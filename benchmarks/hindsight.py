@@ -17,12 +17,27 @@ Increase the Batch Size") and a smaller one raises it:
   the dataset size), started at B, LR held.
 
 The first four are schedules fixed in hindsight (they use E, which only the grid search reveals): an
-estimate of what *any* batch-size policy could gain around the recipe, not a policy to ship. Variants are
-interleaved seed by seed so drift hits all of them alike. Output: ``hindsight.json`` (every run and the
-medians) and ``hindsight.png`` (median time to target per variant, one dot per seed; needs matplotlib).
+estimate of what *any* batch-size policy could gain around the recipe, not a policy to ship.
+
+With ``--lr-max X`` (or ``auto``) four more variants let the LR follow McCandlish et al.'s optimal-LR curve
+``lr_max / (1 + B_simple / B)`` instead of holding it (``lr_rule="adascale"`` anchored at ``--anchor``,
+default 4096: ``lr = lr_max (1 + B_simple/anchor) / (1 + B_simple/B)``, see docs/lr.md):
+
+* ``curve`` — B throughout, the LR on the curve (an LR schedule driven by the measured noise scale).
+* ``curve-goodput``, ``curve-noise-scale`` — the controllers with defaults, started at their lower bound.
+* ``curve-goodput-phi3`` — ``Goodput`` whose efficiency reads 3 x ``B_simple`` (an experiment on its model
+  of statistical efficiency, not a library setting).
+
+``--lr-max auto`` runs the LR range test (:func:`batchpilot.lr.lr_range_test`, 100 steps at ``--test-batch``,
+default B) once per seed and takes its suggestion; its seconds are reported per run (``range_test_s``) and
+not included in the time to target. Variants are interleaved seed by seed so drift hits all of them alike.
+Output: ``hindsight.json`` (every run and the medians) and ``hindsight.png`` (median time to target per
+variant, one dot per seed; needs matplotlib).
 
     PYTHONPATH=src python benchmarks/hindsight.py --results bench-out/mnist1d/results.json --out bench-out/hindsight
     PYTHONPATH=src python benchmarks/hindsight.py --workload mnist1d --batch 512 --lr 0.16 --epochs 12.5
+    PYTHONPATH=src python benchmarks/hindsight.py --workload mnist1d --batch 512 --lr 0.16 --epochs 12.5 \
+        --lr-max 0.2 --variants static,curve,curve-goodput,curve-noise-scale,curve-goodput-phi3
 """
 
 from __future__ import annotations
@@ -42,9 +57,23 @@ import torch
 from batchpilot import controllers
 from batchpilot.bench.specs import RunSpec
 from batchpilot.bench.train import train_one
-from batchpilot.bench.workloads import get_workload
+from batchpilot.bench.workloads import Workload, get_workload
+from batchpilot.lr import lr_range_test
 
-VARIANTS = ("static", "warm-start", "anneal", "warm+anneal", "goodput", "noise-scale")
+HELD = ("static", "warm-start", "anneal", "warm+anneal", "goodput", "noise-scale")
+CURVE = ("curve", "curve-goodput", "curve-noise-scale", "curve-goodput-phi3")
+VARIANTS = HELD + CURVE
+
+
+class ScaledNoiseGoodput(controllers.Goodput):
+    """``Goodput`` whose statistical efficiency reads ``phi_factor`` x the measured noise scale."""
+
+    def __init__(self, phi_factor: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.phi_factor = phi_factor
+
+    def efficiency(self, batch_size: int, noise_scale: float) -> float:
+        return super().efficiency(batch_size, self.phi_factor * noise_scale)
 
 
 def recipe_from_results(path: Path) -> dict[str, Any]:
@@ -64,8 +93,9 @@ def recipe_from_results(path: Path) -> dict[str, Any]:
 
 
 def make_specs(batch: int, lr: float, epochs: float, warm: float, anneal: float,
-               max_size: int) -> dict[str, RunSpec]:
-    """One RunSpec per variant, all at the held LR ``lr``."""
+               max_size: int, lr_max: float | None = None, anchor: int = 4096) -> dict[str, RunSpec]:
+    """One RunSpec per variant: the held-LR ones at ``lr``; the curve ones (only with ``lr_max``) on
+    ``lr_max (1 + B_simple/anchor) / (1 + B_simple/B)``."""
     small, big = max(1, batch // 4), 2 * batch
     t_warm, t_anneal = warm * epochs, anneal * epochs
 
@@ -83,7 +113,41 @@ def make_specs(batch: int, lr: float, epochs: float, warm: float, anneal: float,
         "warm+anneal": spec("warm+anneal", small, piecewise([t_warm, t_anneal], [small, batch, big])),
         "goodput": spec("goodput", batch, lambda n: controllers.Goodput(**bounds), noise_every=16),
         "noise-scale": spec("noise-scale", batch, lambda n: controllers.NoiseScale(**bounds), noise_every=16),
+        **({} if lr_max is None else curve_specs(batch, lr_max, anchor, bounds)),
     }
+
+
+def curve_specs(batch: int, lr_max: float, anchor: int, bounds: dict[str, int]) -> dict[str, RunSpec]:
+    """The variants whose LR follows the noise scale (AdaScale anchored at ``anchor`` with LR ``lr_max``)."""
+    def spec(name: str, first: int, make: Callable[[int], Any]) -> RunSpec:
+        return RunSpec(name, first, lr_max, "adascale", anchor, lr_max, noise_every=16, make_controller=make)
+
+    low = bounds["min_size"]
+    return {
+        "curve": spec("curve", batch, lambda n: None),
+        "curve-goodput": spec("curve-goodput", low, lambda n: controllers.Goodput(**bounds)),
+        "curve-noise-scale": spec("curve-noise-scale", low, lambda n: controllers.NoiseScale(**bounds)),
+        "curve-goodput-phi3": spec("curve-goodput-phi3", low, lambda n: ScaledNoiseGoodput(3.0, **bounds)),
+    }
+
+
+def range_test_lr(workload: Workload, train: Any, seed: int, batch: int) -> tuple[float, float]:
+    """The LR range test's suggestion for ``workload`` at ``batch`` (seeded batches), and its seconds."""
+    model = workload.build_model(seed)
+    optimizer = workload.make_optimizer(model.parameters(), workload.base_lr)
+    g = torch.Generator().manual_seed(seed)
+    tensors = train.tensors
+
+    def batches():
+        while True:
+            idx = torch.randint(0, len(train), (batch,), generator=g)
+            yield [t[idx] for t in tensors]
+
+    result = lr_range_test(model, optimizer, batches(), lambda m, b: workload.loss_fn(m(b[0]), b[1]),
+                           lr_min=workload.base_lr / 10, lr_max=workload.base_lr * 1000, steps=100)
+    if result.suggestion is None:
+        raise SystemExit(f"seed {seed}: the LR range test found no LR at which the loss fell; pass --lr-max.")
+    return result.suggestion, result.seconds
 
 
 def summarise(runs: list[dict[str, Any]], variants: list[str]) -> dict[str, dict[str, Any]]:
@@ -140,7 +204,11 @@ def main() -> None:
     p.add_argument("--epochs", type=float, help="epochs the recipe needs to the target (E)")
     p.add_argument("--warm", type=float, default=0.08, help="warm-start length as a fraction of E (default 0.08)")
     p.add_argument("--anneal", type=float, default=0.5, help="when anneal doubles B, as a fraction of E (default 0.5)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default=",".join(HELD),
+                   help=f"comma-separated subset of {', '.join(VARIANTS)} (default: {', '.join(HELD)})")
+    p.add_argument("--lr-max", help="lr_max of the curve variants: a number, or auto (an LR range test per seed)")
+    p.add_argument("--anchor", type=int, default=4096, help="the curve's anchor batch (default 4096)")
+    p.add_argument("--test-batch", type=int, help="batch of the LR range test (default: the recipe's)")
     p.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds (default 0-4)")
     p.add_argument("--target", type=float, help="test accuracy to reach (default: the workload's)")
     p.add_argument("--budget", type=float, help="most training seconds per run (default: the workload's)")
@@ -158,6 +226,16 @@ def main() -> None:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown or "static" not in variants:
         p.error(f"--variants must name 'static' and only {', '.join(VARIANTS)}; got unknown {unknown}")
+    lr_max: float | None = None
+    if args.lr_max not in (None, "auto"):
+        try:
+            lr_max = float(args.lr_max)
+        except ValueError:
+            p.error(f"--lr-max must be a number or auto, got {args.lr_max!r}")
+        if not (math.isfinite(lr_max) and lr_max > 0):
+            p.error(f"--lr-max must be > 0, got {args.lr_max!r}")
+    if args.lr_max is None and set(variants) & set(CURVE):
+        p.error(f"the variants {', '.join(sorted(set(variants) & set(CURVE)))} need --lr-max (a number or auto)")
     seeds = [int(s) for s in args.seeds.split(",")]
     torch.set_num_threads(args.threads)
 
@@ -165,20 +243,25 @@ def main() -> None:
     train, test = workload.build_data(workload.data_seed)
     target = args.target if args.target is not None else workload.target_accuracy
     budget = args.budget if args.budget is not None else workload.budget_s
-    specs = make_specs(recipe["batch"], recipe["lr"], recipe["epochs"], args.warm, args.anneal,
-                       min(4096, len(train)))
     print(f"recipe: {recipe['workload']} batch {recipe['batch']} at lr {recipe['lr']:g} (held), "
           f"{recipe['epochs']:g} epochs to {target}; {len(variants)} variants x {len(seeds)} seeds")
 
     runs: list[dict[str, Any]] = []
     started = time.perf_counter()
     for seed in seeds:
+        seed_lr_max, test_s = lr_max, None
+        if args.lr_max == "auto":
+            seed_lr_max, test_s = range_test_lr(workload, train, seed, args.test_batch or recipe["batch"])
+            print(f"  seed {seed} LR range test: lr_max {seed_lr_max:.4g} ({test_s:.2f} s, not counted)")
+        specs = make_specs(recipe["batch"], recipe["lr"], recipe["epochs"], args.warm, args.anneal,
+                           min(4096, len(train)), lr_max=seed_lr_max, anchor=args.anchor)
         for name in variants:
             r = train_one(workload, specs[name], seed, train, test, target=target, budget_s=budget,
                           eval_every=0.25, on_eval=lambda point, run: None)
             row = {"variant": name, "seed": seed, **{k: r[k] for k in (
                 "time_to_target_s", "epochs_to_target", "samples_to_target", "final_accuracy", "wall_s")},
-                "batch_sizes": [(b["time_s"], b["batch_size"]) for b in r["batch_sizes"]]}
+                "batch_sizes": [(b["time_s"], b["batch_size"]) for b in r["batch_sizes"]],
+                **({"lr_max": seed_lr_max, "range_test_s": test_s} if name in CURVE else {})}
             runs.append(row)
             t = row["time_to_target_s"]
             print(f"  seed {seed} {name:12s} {'missed' if t is None else f'{t:6.2f} s'}  "
@@ -192,6 +275,7 @@ def main() -> None:
               f"{'—' if e is None else f'{e:.2f}':>7s} {'—' if q is None else f'{q:.2f}x':>9s}")
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"recipe": recipe, "target": target, "budget_s": budget, "warm": args.warm, "anneal": args.anneal,
+              "lr_max": args.lr_max, "anchor": args.anchor,
               "seeds": seeds, "threads": args.threads, "machine": platform.platform(), "torch": torch.__version__,
               "summary": summary, "runs": runs}
     (args.out / "hindsight.json").write_text(json.dumps(result, indent=1))

@@ -20,7 +20,7 @@ def bench():
 
 def test_schedules_hold_the_lr_and_change_the_batch_where_told(bench):
     specs = bench.make_specs(512, 0.16, 12.5, warm=0.08, anneal=0.5, max_size=4096)
-    assert set(specs) == set(bench.VARIANTS)
+    assert set(specs) == set(bench.HELD)
     for spec in specs.values():
         assert (spec.lr_rule, spec.optimizer_lr, spec.lr) == ("none", 0.16, 0.16)
     assert specs["static"].make_controller(100) is None and specs["static"].batch_size == 512
@@ -67,3 +67,32 @@ def test_static_is_required(bench, monkeypatch):
                                       "--epochs", "2", "--variants", "anneal"])
     with pytest.raises(SystemExit):
         bench.main()
+
+
+def test_curve_variants_put_the_lr_on_the_noise_scale_curve(bench):
+    specs = bench.make_specs(512, 0.16, 12.5, warm=0.08, anneal=0.5, max_size=4096, lr_max=0.2, anchor=4096)
+    assert set(specs) == set(bench.VARIANTS)
+    for name in bench.CURVE:
+        spec = specs[name]
+        assert (spec.lr_rule, spec.base_batch_size, spec.optimizer_lr, spec.noise_every) == ("adascale", 4096, 0.2, 16)
+    assert specs["curve"].make_controller(100) is None and specs["curve"].batch_size == 512
+    assert specs["curve-goodput"].batch_size == 32 and type(specs["curve-goodput"].make_controller(100)).__name__ == "Goodput"
+    phi3 = specs["curve-goodput-phi3"].make_controller(100)
+    plain = specs["curve-goodput"].make_controller(100)
+    phi3._b0 = plain._b0 = 32
+    assert phi3.efficiency(512, 100.0) == pytest.approx(plain.efficiency(512, 300.0))
+
+
+def test_curve_variants_need_lr_max_and_run_with_a_range_test(bench, tmp_path, monkeypatch):
+    base = ["hindsight.py", "--workload", "synthetic", "--batch", "64", "--lr", "0.02", "--epochs", "2",
+            "--seeds", "0", "--budget", "1.5", "--threads", "1", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", [*base, "--variants", "static,curve"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    monkeypatch.setattr(sys, "argv", [*base, "--variants", "static,curve,curve-goodput", "--lr-max", "auto"])
+    bench.main()
+    result = json.loads((tmp_path / "hindsight.json").read_text())
+    assert [r["variant"] for r in result["runs"]] == ["static", "curve", "curve-goodput"]
+    curve = result["runs"][1]
+    assert curve["lr_max"] > 0 and curve["range_test_s"] > 0 and result["runs"][2]["lr_max"] == curve["lr_max"]
+    assert "lr_max" not in result["runs"][0] and result["lr_max"] == "auto"

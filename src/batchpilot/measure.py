@@ -187,23 +187,23 @@ class MicroTimer:
     """
 
     def __init__(self, device: Any = None) -> None:
-        self.cuda = device is not None and torch.device(device).type == "cuda"
+        self.device = None if device is None else torch.device(device)
+        self.cuda = self.device is not None and self.device.type == "cuda"
         self._start: Any = None
+
+    def _event(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))  # the model's device, not necessarily the current one
+        return event
 
     def start(self) -> None:
         """A micro-batch's forward starts now."""
-        if self.cuda:
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        else:
-            self._start = time.perf_counter()
+        self._start = self._event() if self.cuda else time.perf_counter()
 
     def stop(self) -> float | tuple[Any, Any]:
         """Its backward returned: elapsed seconds, or (on CUDA) the event pair to read with :func:`seconds`."""
         if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            return self._start, end
+            return self._start, self._event()
         return time.perf_counter() - self._start
 
     @staticmethod
