@@ -15,6 +15,8 @@ Increase the Batch Size") and a smaller one raises it:
 * ``warm+anneal`` — both.
 * ``goodput``, ``noise-scale`` — the adaptive controllers with their defaults (bounds 32 .. 4096, capped at
   the dataset size), started at B, LR held.
+* ``noise-anneal`` — B + ``B_simple`` (growth only, decided every 50 steps), LR held: the batch grows with
+  the noise scale in place of the LR decay that the ``curve`` variants below make (Smith et al.).
 
 The first four are schedules fixed in hindsight (they use E, which only the grid search reveals): an
 estimate of what *any* batch-size policy could gain around the recipe, not a policy to ship.
@@ -60,9 +62,31 @@ from batchpilot.bench.train import train_one
 from batchpilot.bench.workloads import Workload, get_workload
 from batchpilot.lr import lr_range_test
 
-HELD = ("static", "warm-start", "anneal", "warm+anneal", "goodput", "noise-scale")
+HELD = ("static", "warm-start", "anneal", "warm+anneal", "goodput", "noise-scale", "noise-anneal")
 CURVE = ("curve", "curve-goodput", "curve-noise-scale", "curve-goodput-phi3")
 VARIANTS = HELD + CURVE
+
+
+class NoiseAnneal:
+    """Grow the batch to ``base + B_simple`` (never shrink), every ``interval`` steps, up to ``max_size``."""
+
+    required_stats = ("stats/noise_scale",)
+
+    def __init__(self, base: int, max_size: int, interval: int = 50) -> None:
+        self.base, self.max_size, self.interval = base, max_size, interval
+        self.name, self.reason = "NoiseAnneal", "no decision yet"
+
+    def decide(self, obs: Any) -> int:
+        noise = obs.stats.get("stats/noise_scale")
+        if noise is None or not math.isfinite(noise) or noise <= 0 or obs.step % self.interval:
+            return obs.batch_size
+        return int(min(self.max_size, max(obs.batch_size, self.base + noise)))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
 
 class ScaledNoiseGoodput(controllers.Goodput):
@@ -113,6 +137,7 @@ def make_specs(batch: int, lr: float, epochs: float, warm: float, anneal: float,
         "warm+anneal": spec("warm+anneal", small, piecewise([t_warm, t_anneal], [small, batch, big])),
         "goodput": spec("goodput", batch, lambda n: controllers.Goodput(**bounds), noise_every=16),
         "noise-scale": spec("noise-scale", batch, lambda n: controllers.NoiseScale(**bounds), noise_every=16),
+        "noise-anneal": spec("noise-anneal", batch, lambda n: NoiseAnneal(batch, bounds["max_size"]), noise_every=16),
         **({} if lr_max is None else curve_specs(batch, lr_max, anchor, bounds)),
     }
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from batchpilot.controllers.base import Observation
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -30,6 +32,11 @@ def test_schedules_hold_the_lr_and_change_the_batch_where_told(bench):
     assert (anneal.boundaries, anneal.sizes) == ([6.25], [512, 1024])
     both = specs["warm+anneal"].make_controller(100)
     assert (both.boundaries, both.sizes, both.key) == ([1.0, 6.25], [128, 512, 1024], "epoch")
+    grow = specs["noise-anneal"].make_controller(100)
+    obs = lambda step, size, noise: Observation(step=step, samples_seen=0, epoch=0, coverage=0.0, batch_size=size,  # noqa: E731
+                                                num_samples=100, stats={"stats/noise_scale": noise})
+    assert (grow.decide(obs(50, 512, 100.0)), grow.decide(obs(50, 700, 100.0)), grow.decide(obs(51, 512, 100.0)),
+            grow.decide(obs(100, 512, 9000.0))) == (612, 700, 512, 4096)  # base + B_simple, growth only, bounded
     goodput = specs["goodput"].make_controller(100)
     assert (goodput.min_size, goodput.max_size, specs["goodput"].noise_every) == (32, 4096, 16)
 
