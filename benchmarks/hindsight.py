@@ -3,8 +3,8 @@
 ``batchpilot bench`` compares adaptive controllers that start from the workload's *untuned* recipe (base LR
 at batch 32, scaled by the LR rule) with the best static batch, whose LR was tuned over a grid. This
 benchmark asks the complementary question: given the tuned recipe itself (batch B at learning rate LR,
-needing E epochs to the target), does changing the batch size during the run make it faster? Every
-variant holds the LR at the recipe's (``lr_rule="none"``), so a larger batch lowers the SGD noise
+needing E epochs to the target), does changing the batch size during the run make it faster? These
+variants hold the LR at the recipe's (``lr_rule="none"``), so a larger batch lowers the SGD noise
 temperature LR/B exactly as an LR decay would (Smith et al. 2018, "Don't Decay the Learning Rate,
 Increase the Batch Size") and a smaller one raises it:
 
