@@ -161,6 +161,23 @@ def test_nonfinite_loss_skips_the_step_and_keeps_weights(tmp_path):
     assert events and events[0]["event"] == "skipped_step"
 
 
+def test_sum_of_squares_is_the_same_on_the_one_copy_path():
+    from batchpilot.clipping import _stacked_sum_of_squares, grad_norm, sum_of_squares
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g), torch.randn(2, 2, 2, generator=g)]
+    want = sum(float((t.double() ** 2).sum()) for t in tensors)
+    # The accelerator path (norms summed on the device, one copy) and the CPU path agree.
+    assert sum_of_squares(tensors) == pytest.approx(want, rel=1e-6)
+    assert _stacked_sum_of_squares(torch._foreach_norm(tensors)) == pytest.approx(want, rel=1e-6)
+    assert sum_of_squares([]) == 0.0
+    bad = tensors + [torch.tensor([float("inf")])]
+    assert math.isinf(sum_of_squares(bad)) and math.isinf(_stacked_sum_of_squares(torch._foreach_norm(bad)))
+    model = torch.nn.Linear(3, 2)
+    model(torch.randn(4, 3)).sum().backward()
+    assert grad_norm(model.parameters()) == pytest.approx(math.sqrt(sum_of_squares([p.grad for p in model.parameters()])))
+
+
 def test_fixed_gradient_clipping_bounds_the_update():
     ds, model = make_problem()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)

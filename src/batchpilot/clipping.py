@@ -9,16 +9,27 @@ from typing import Any, Iterable
 import torch
 
 
+def sum_of_squares(tensors: list[torch.Tensor]) -> float:
+    """``sum_i |t_i|^2`` over ``tensors`` (``inf``/``nan`` when one is not finite).
+
+    On an accelerator the per-tensor norms are summed on the device and copied to the host once (a copy
+    per tensor would synchronise once per parameter); on CPU reading each norm is cheaper than stacking.
+    """
+    if not tensors:
+        return 0.0
+    norms = torch._foreach_norm(tensors)
+    if tensors[0].device.type != "cpu":
+        return _stacked_sum_of_squares(norms)
+    return sum(float(n) ** 2 for n in norms)
+
+
+def _stacked_sum_of_squares(norms: list[torch.Tensor]) -> float:
+    return float(torch.stack([n.double() for n in norms]).square().sum())
+
+
 def grad_norm(params: Iterable[torch.nn.Parameter]) -> float:
     """Global L2 norm of all gradients (``inf``/``nan`` when a gradient is not finite)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return 0.0
-    if grads[0].device.type != "cpu":  # one device-to-host copy instead of one per tensor
-        norms = torch._foreach_norm(grads)
-        return float(torch.linalg.vector_norm(torch.stack([n.float() for n in norms])))
-    # On CPU, reading each norm is cheaper than stacking them (this runs every step).
-    return math.sqrt(sum(float(n) ** 2 for n in torch._foreach_norm(grads)))
+    return math.sqrt(sum_of_squares([p.grad for p in params if p.grad is not None]))
 
 
 class StatsClip:

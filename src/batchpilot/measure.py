@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 
+from .clipping import sum_of_squares
 from .stats.loss_trend import LossTrend
 from .stats.noise_scale import NoiseScaleEstimator
 from .stats.system import SystemMonitor
@@ -82,7 +83,7 @@ class GradientNoiseProbe:
                 prev = self._prev
                 index = [self._index.get(id(p)) for p in bucket.parameters()]
                 increment = [g if prev is None or i is None else g - prev[i] for g, i in zip(bucket.gradients(), index)]
-                sq = sum(float(n) ** 2 for n in torch._foreach_norm(increment))
+                sq = sum_of_squares(increment)
                 self._hook_sq = (self._hook_sq or 0.0) + sq
                 self.seconds += time.perf_counter() - start
             return allreduce_hook(state, bucket)
@@ -131,7 +132,7 @@ class GradientNoiseProbe:
         if self._prev is None:
             self._prev = [torch.zeros_like(g) for g in grads]
         increment = torch._foreach_sub(grads, self._prev)
-        sq = sum(float(n) ** 2 for n in torch._foreach_norm(increment))
+        sq = sum_of_squares(increment)
         torch._foreach_copy_(self._prev, grads)
         self._sq_norms.append(sq / to_mean**2)
         self._sizes.append(size)
