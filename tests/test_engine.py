@@ -178,6 +178,19 @@ def test_sum_of_squares_is_the_same_on_the_one_copy_path():
     assert grad_norm(model.parameters()) == pytest.approx(math.sqrt(sum_of_squares([p.grad for p in model.parameters()])))
 
 
+def test_batches_keep_their_structure_namedtuples_included():
+    import collections
+
+    Batch = collections.namedtuple("Batch", "x y")
+    ds, model = make_problem()
+    collate = lambda items: Batch(torch.stack([i[0] for i in items]), torch.stack([i[1] for i in items]))  # noqa: E731
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=8, collate_fn=collate)
+    for batch in pilot.batches(max_steps=1):
+        assert type(batch) is Batch and batch.x.shape == (8, 6)
+        pilot.backward(torch.nn.functional.cross_entropy(model(batch.x), batch.y))
+
+
 def test_fixed_gradient_clipping_bounds_the_update():
     ds, model = make_problem()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)

@@ -746,5 +746,7 @@ def _to_device(data: Any, device: torch.device) -> Any:
         return {k: _to_device(v, device) for k, v in data.items()}
     if isinstance(data, (list, tuple)):
         moved = [_to_device(v, device) for v in data]
-        return type(data)(moved) if isinstance(data, tuple) and not hasattr(data, "_fields") else moved
+        if isinstance(data, tuple):
+            return type(data)(*moved) if hasattr(data, "_fields") else type(data)(moved)  # namedtuples keep fields
+        return moved
     return data
