@@ -169,10 +169,11 @@ def test_sum_of_squares_is_the_same_on_the_one_copy_path():
     want = sum(float((t.double() ** 2).sum()) for t in tensors)
     # The accelerator path (norms summed on the device, one copy) and the CPU path agree.
     assert sum_of_squares(tensors) == pytest.approx(want, rel=1e-6)
-    assert _stacked_sum_of_squares(torch._foreach_norm(tensors)) == pytest.approx(want, rel=1e-6)
+    assert float(_stacked_sum_of_squares(torch._foreach_norm(tensors))) == pytest.approx(want, rel=1e-6)
     assert sum_of_squares([]) == 0.0
     bad = tensors + [torch.tensor([float("inf")])]
-    assert math.isinf(sum_of_squares(bad)) and math.isinf(_stacked_sum_of_squares(torch._foreach_norm(bad)))
+    assert math.isinf(sum_of_squares(bad)) and math.isinf(float(_stacked_sum_of_squares(torch._foreach_norm(bad))))
+    assert sum_of_squares(tensors, lazy=True) == sum_of_squares(tensors)  # on CPU always a float
     model = torch.nn.Linear(3, 2)
     model(torch.randn(4, 3)).sum().backward()
     assert grad_norm(model.parameters()) == pytest.approx(math.sqrt(sum_of_squares([p.grad for p in model.parameters()])))

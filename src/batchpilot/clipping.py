@@ -9,27 +9,31 @@ from typing import Any, Iterable
 import torch
 
 
-def sum_of_squares(tensors: list[torch.Tensor]) -> float:
+def sum_of_squares(tensors: list[torch.Tensor], lazy: bool = False) -> float | torch.Tensor:
     """``sum_i |t_i|^2`` over ``tensors`` (``inf``/``nan`` when one is not finite).
 
     On an accelerator the per-tensor norms are summed on the device and copied to the host once (a copy
-    per tensor would synchronise once per parameter); on CPU reading each norm is cheaper than stacking.
+    per tensor would synchronise once per parameter); with ``lazy`` the sum stays a 0-dim float64 device
+    tensor (no synchronisation at all; ``float()`` it later). On CPU reading each norm is cheaper than
+    stacking, and a float is returned either way.
     """
     if not tensors:
         return 0.0
     norms = torch._foreach_norm(tensors)
     if tensors[0].device.type != "cpu":
-        return _stacked_sum_of_squares(norms)
+        total = _stacked_sum_of_squares(norms)
+        return total if lazy else float(total)
     return sum(float(n) ** 2 for n in norms)
 
 
-def _stacked_sum_of_squares(norms: list[torch.Tensor]) -> float:
-    return float(torch.stack([n.double() for n in norms]).square().sum())
+def _stacked_sum_of_squares(norms: list[torch.Tensor]) -> torch.Tensor:
+    device = norms[0].device  # parameters may sit on several devices (model parallel): gather on the first
+    return torch.stack([n.to(device, torch.float64) for n in norms]).square().sum()
 
 
 def grad_norm(params: Iterable[torch.nn.Parameter]) -> float:
     """Global L2 norm of all gradients (``inf``/``nan`` when a gradient is not finite)."""
-    return math.sqrt(sum_of_squares([p.grad for p in params if p.grad is not None]))
+    return math.sqrt(float(sum_of_squares([p.grad for p in params if p.grad is not None])))
 
 
 class StatsClip:

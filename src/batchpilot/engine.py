@@ -189,6 +189,10 @@ class Pilot:
         if not self._params:
             raise ValueError("the model has no parameter with requires_grad=True: there is nothing to train.")
         self.device = torch.device(device) if device is not None else self._params[0].device
+        if self.device.type == "cuda" and self.device.index is not None and bpdist.is_distributed():
+            # NCCL collectives (the decisions, the statistics, checkpoints) run on the *current* CUDA device:
+            # make it this rank's, or every rank that skipped torch.cuda.set_device would talk on cuda:0.
+            torch.cuda.set_device(self.device)
         self.loader = AdaptiveDataLoader(
             dataset,
             batch_size,
@@ -537,10 +541,9 @@ class Pilot:
         else:
             threshold = float(self.grad_clip)
         if threshold is not None and math.isfinite(norm) and norm > threshold:
-            factor = threshold / (norm + 1e-6)
-            for p in self._params:
-                if p.grad is not None:
-                    p.grad.mul_(factor)
+            grads = [p.grad for p in self._params if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, threshold / (norm + 1e-6))
 
     def _decide(self, record: dict[str, Any]) -> None:
         current = self.loader.batch_size

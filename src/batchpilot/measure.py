@@ -64,7 +64,8 @@ class GradientNoiseProbe:
         self._sq_norms: list[float] = []
         self._sizes: list[int] = []
         self._index = {id(p): i for i, p in enumerate(params)}
-        self._hook_sq: float | None = None  # last micro-batch's local |increment|^2, seen by the DDP hook
+        # Last micro-batch's local |increment|^2, seen by the DDP hook (a device tensor on a GPU).
+        self._hook_sq: float | torch.Tensor | None = None
         self.seconds = 0.0  # time spent measuring, for the overhead report
 
     def attach_ddp(self, ddp_model: Any) -> bool:
@@ -83,13 +84,13 @@ class GradientNoiseProbe:
                 prev = self._prev
                 index = [self._index.get(id(p)) for p in bucket.parameters()]
                 increment = [g if prev is None or i is None else g - prev[i] for g, i in zip(bucket.gradients(), index)]
-                sq = sum_of_squares(increment)
-                self._hook_sq = (self._hook_sq or 0.0) + sq
+                sq = sum_of_squares(increment, lazy=True)  # on a GPU a device tensor: no sync inside backward
+                self._hook_sq = sq if self._hook_sq is None else self._hook_sq + sq
                 self.seconds += time.perf_counter() - start
             return allreduce_hook(state, bucket)
 
         try:
-            ddp_model.register_comm_hook(None, hook)
+            ddp_model.register_comm_hook(ddp_model.process_group, hook)  # DDP's own group, not always WORLD
         except RuntimeError:  # a hook is registered already: DDP allows one
             return False
         self._split = False
@@ -122,7 +123,7 @@ class GradientNoiseProbe:
         if synced:
             sq, self._hook_sq = self._hook_sq, None
             if self.measuring and size and sq is not None:
-                self._sq_norms.append(sq / to_mean**2)
+                self._sq_norms.append(float(sq) / to_mean**2)
                 self._sizes.append(size)
             return
         if not self.measuring or size == 0:
@@ -235,7 +236,8 @@ class StepMeter:
         self.monitor = None
         if system_every is not None:
             try:
-                self.monitor = SystemMonitor(device if device is not None and torch.device(device).type == "cuda" else None)
+                # A CPU device means no GPU metrics (None would pick, and initialise, the current CUDA device).
+                self.monitor = SystemMonitor(device)
             except ImportError:
                 self.monitor = None  # psutil is optional: no system metrics without it
         self._system: dict[str, float] = {}

@@ -52,7 +52,9 @@ def restore_rng_states(states: list[dict[str, Any]], rank: int, world_size: int)
     state = states[rank]
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # As many devices as this process sees (a job resumed with fewer visible GPUs must not fail).
+        for index, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, index)
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     random.setstate(_as_tuple(state["python"]))

@@ -104,7 +104,8 @@ def split_even(n: int, parts: int) -> list[tuple[int, int]]:
 def _index_tensors(tensors: tuple[torch.Tensor, ...], indices: Any) -> list[torch.Tensor]:
     """Collate a TensorDataset batch by indexing (what default_collate would build, without the loop)."""
     index = torch.from_numpy(np.array(indices, dtype=np.int64))  # a copy: the epoch order is read-only
-    return [t.index_select(0, index) for t in tensors]
+    # index_select needs the index on the tensor's device (a dataset may already live on the GPU).
+    return [t.index_select(0, index if t.device.type == "cpu" else index.to(t.device)) for t in tensors]
 
 
 class _BatchedTensors(Dataset):

@@ -148,9 +148,11 @@ class AdaptiveBatchSize(Callback):
         self.log_progress = log
         self._trainer: Any = None
         self._loader: AdaptiveLoader | None = None
-        self._step_loss: list[float] = [0.0, 0.0]  # this step's sum of loss * samples, and samples
+        # This step's micro-batch losses (detached tensors, read once the step ends: on a GPU a float() here
+        # would wait for each forward before its backward is queued), their factor, and their samples.
+        self._step_losses: list[tuple[torch.Tensor, float, int]] = []
         self._inflight = 0  # samples of the step whose optimizer update ran but which is not counted yet
-        self._raw_loss: float | None = None  # the current micro-batch's mean loss, recorded by weight()
+        self._raw_loss: torch.Tensor | None = None  # the current micro-batch's mean loss, recorded by weight()
 
     # ------------------------------------------------------------------ the loader
     def dataloader(
@@ -225,7 +227,7 @@ class AdaptiveBatchSize(Callback):
         only when shares are uneven (by at most one sample) or for a ghost micro-batch at an epoch's end."""
         micro = self.micro_batch
         if micro is not None and micro.size:
-            self._raw_loss = float(loss.detach())
+            self._raw_loss = loss.detach()
         return loss * self.loss_weight
 
     @property
@@ -313,7 +315,7 @@ class AdaptiveBatchSize(Callback):
         # times the micro-batch's mean gradient; without weight() it is 1 / A times it.
         to_mean = world * micro.size / micro.global_size if self._raw_loss is not None else 1.0 / accumulation
         scaler = getattr(trainer.precision_plugin, "scaler", None)  # fp16: .grad holds the scaled gradient
-        if scaler is not None:
+        if scaler is not None and self.stats.measuring:  # get_scale() synchronises: only when it is used
             to_mean *= float(scaler.get_scale())
         self.stats.after_micro(micro.size, micro.is_last, to_mean)
 
@@ -327,18 +329,18 @@ class AdaptiveBatchSize(Callback):
         micro = self.micro_batch
         if micro is None:
             return
-        raw, self._raw_loss = self._raw_loss, None
+        raw, factor, self._raw_loss = self._raw_loss, 1.0, None
         if raw is None:  # training_step did not call weight(): Lightning divided its loss by the accumulation
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             if isinstance(loss, torch.Tensor):
-                raw = float(loss.detach()) * self._placement()[2]
+                raw, factor = loss.detach(), float(self._placement()[2])
         if raw is not None and micro.size:
-            self._step_loss[0] += raw * micro.size
-            self._step_loss[1] += micro.size
+            self._step_losses.append((raw, factor, micro.size))
         if not micro.is_last:
             return
-        totals = torch.tensor(self._step_loss, dtype=torch.float64)
-        self._step_loss = [0.0, 0.0]
+        totals = torch.tensor([sum(float(r) * f * n for r, f, n in self._step_losses),
+                               float(sum(n for _, _, n in self._step_losses))], dtype=torch.float64)
+        self._step_losses = []
         totals = bpdist.all_reduce_sum(totals)
         step_loss = float(totals[0] / totals[1]) if totals[1] > 0 else None
         self.driver.end_step(micro.global_size, step_loss)
