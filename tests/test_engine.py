@@ -411,7 +411,7 @@ def test_corrupt_and_foreign_checkpoints_give_clear_errors_and_older_ones_stay_u
     with pytest.raises(batchpilot.CheckpointError, match="does not exist"):
         pilot.load_checkpoint(tmp_path / "nope.pt")
     assert pilot.load_checkpoint(tmp_path) == files[0]  # the folder falls back to the previous checkpoint
-    assert pilot.step == 2
+    assert pilot.step == 2 and batchpilot.latest_checkpoint(tmp_path) == files[0]
 
 
 def test_seed_003_scheduler_via_partial_and_constant_controller():

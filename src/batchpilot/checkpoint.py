@@ -97,12 +97,17 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     A newer file that fails to load (truncated by a crash outside our atomic write, say) is skipped, so
     the previous checkpoint is used instead.
     """
+    found = load_latest_checkpoint(directory)
+    return None if found is None else found[0]
+
+
+def load_latest_checkpoint(directory: str | os.PathLike) -> tuple[Path, dict[str, Any]] | None:
+    """:func:`latest_checkpoint` and its loaded state (read once), or ``None`` when there is none."""
     for path in reversed(list_checkpoints(directory)):
         try:
-            load_checkpoint(path)
+            return path, load_checkpoint(path)
         except CheckpointError:
             continue
-        return path
     return None
 
 

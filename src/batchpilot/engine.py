@@ -30,8 +30,8 @@ from ._validation import check_batch_size, check_bounds, check_choice, check_pos
 from .checkpoint import (
     CheckpointError,
     checkpoint_path,
-    latest_checkpoint,
     load_checkpoint,
+    load_latest_checkpoint,
     prune_checkpoints,
     save_checkpoint,
 )
@@ -710,13 +710,15 @@ class Pilot:
         """
         path = Path(path)
         if path.is_dir() or (missing_ok and not path.exists()):
-            found = latest_checkpoint(path)
+            found = load_latest_checkpoint(path)  # the newest file that loads, read once
             if found is None:
                 if missing_ok:
                     return None
                 raise CheckpointError(f"no loadable checkpoint in {str(path)!r}.")
-            path = found
-        self.load_state_dict(load_checkpoint(path))
+            path, state = found
+        else:
+            state = load_checkpoint(path)
+        self.load_state_dict(state)
         return path
 
     def close(self) -> None:
