@@ -24,15 +24,20 @@ from ..measure import DEFAULT_NOISE_EVERY, GradientNoiseProbe, StepMeter
 logger = logging.getLogger("batchpilot")
 
 
-def check_measurable(world_size: int, accumulation_steps: int) -> None:
-    """Raise unless a step has a small batch to compare with (several micro-batches or several ranks)."""
-    if world_size == 1 and accumulation_steps == 1:
-        raise ValueError(
-            "the batch size controller reads gradient statistics (the noise scale), which need two batch "
-            "sizes per measured step, but this run has one process and one micro-batch per step; set "
-            "gradient_accumulation_steps >= 2 (Hugging Face) or accumulate_grad_batches >= 2 (Lightning): each "
-            "micro-batch is then a small batch, at no extra cost; or train on >= 2 ranks."
+def check_measurable(world_size: int, accumulation_steps: int, *, manual: bool = False) -> None:
+    """Raise unless a step has a small batch to compare with (several micro-batches or several ranks);
+    ``manual``: Lightning's manual optimization, where a step is one batch (no accumulation)."""
+    if world_size == 1 and (accumulation_steps == 1 or manual):
+        why = (
+            "this module uses manual optimization (one batch per step: Lightning allows no accumulate_grad_batches "
+            "there) on one process; train on >= 2 ranks (each rank's batch is then a small batch), or use "
+            "automatic optimization with accumulate_grad_batches >= 2." if manual else
+            "this run has one process and one micro-batch per step; set gradient_accumulation_steps >= 2 "
+            "(Hugging Face) or accumulate_grad_batches >= 2 (Lightning): each micro-batch is then a small batch, "
+            "at no extra cost; or train on >= 2 ranks."
         )
+        raise ValueError("the batch size controller reads gradient statistics (the noise scale), which need two "
+                         f"batch sizes per measured step, but {why}")
 
 
 class StepStats:
@@ -77,10 +82,13 @@ class StepStats:
     def begin_micro(self) -> None:
         self.meter.begin_micro()
 
-    def after_micro(self, size: int, last: bool, to_mean: float) -> None:
+    def after_micro(self, size: int, last: bool, to_mean: float, scaler: Any = None) -> None:
         """A micro-batch of ``size`` samples (0: a ghost) finished its backward; ``last``: the step's last on
         this rank. ``to_mean``: the factor between its ``.grad`` increment and its mean gradient (its loss
-        weight, times a fp16 loss scale)."""
+        weight); ``scaler``: the fp16 GradScaler whose scale ``.grad`` also holds, if any (read only on
+        measured steps: ``get_scale()`` synchronises with the GPU)."""
+        if scaler is not None and self.probe.measuring:
+            to_mean *= float(scaler.get_scale())
         if size:
             self.meter.end_micro(size)
         # Under DDP the last backward already averaged .grad over ranks: its local increment is the one the

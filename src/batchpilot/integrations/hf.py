@@ -359,10 +359,8 @@ class AdaptiveBatchSizeTrainer(Trainer):
                 _, size, last = micro
                 # Trainer divided the loss by B / (W n): the .grad increment is W n / B times the mean gradient.
                 to_mean = self.data_parallel_size * size / run.inflight.global_size
-                scaler = getattr(self.accelerator, "scaler", None)  # fp16: .grad holds the scaled gradient
-                if scaler is not None and run.stats.measuring:  # get_scale() synchronises: only when it is used
-                    to_mean *= float(scaler.get_scale())
-                run.stats.after_micro(size, last, to_mean)
+                # fp16: .grad holds the scaled gradient
+                run.stats.after_micro(size, last, to_mean, getattr(self.accelerator, "scaler", None))
         return loss
 
     def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:

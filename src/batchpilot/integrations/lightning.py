@@ -260,15 +260,8 @@ class AdaptiveBatchSize(Callback):
         self.driver.start_clock()
         self._validate_at_epoch_end(trainer)
         if self._measure and self.stats is None:
-            if not pl_module.automatic_optimization and trainer.world_size == 1:
-                raise ValueError(
-                    "the batch size controller reads gradient statistics (the noise scale), which need two batch "
-                    "sizes per measured step, but this module uses manual optimization (one batch per step: "
-                    "Lightning allows no accumulate_grad_batches there) on one process; train on >= 2 ranks "
-                    "(each rank's batch is then a small batch), or use automatic optimization with "
-                    "accumulate_grad_batches >= 2."
-                )
-            check_measurable(trainer.world_size, trainer.accumulate_grad_batches)
+            check_measurable(trainer.world_size, trainer.accumulate_grad_batches,
+                             manual=not pl_module.automatic_optimization)
             params = [p for p in pl_module.parameters() if p.requires_grad]
             self.stats = StepStats(params, world_size=trainer.world_size,
                                    accumulation_steps=trainer.accumulate_grad_batches, every=self.noise_every)
@@ -314,10 +307,8 @@ class AdaptiveBatchSize(Callback):
         # weight() scaled the loss by n W A / B and Lightning divides by A: the .grad increment is W n / B
         # times the micro-batch's mean gradient; without weight() it is 1 / A times it.
         to_mean = world * micro.size / micro.global_size if self._raw_loss is not None else 1.0 / accumulation
-        scaler = getattr(trainer.precision_plugin, "scaler", None)  # fp16: .grad holds the scaled gradient
-        if scaler is not None and self.stats.measuring:  # get_scale() synchronises: only when it is used
-            to_mean *= float(scaler.get_scale())
-        self.stats.after_micro(micro.size, micro.is_last, to_mean)
+        # fp16: .grad holds the scaled gradient
+        self.stats.after_micro(micro.size, micro.is_last, to_mean, getattr(trainer.precision_plugin, "scaler", None))
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         micro = self.micro_batch
