@@ -114,58 +114,54 @@ def lr_range_test(
 
     model_state = copy.deepcopy(model.state_dict())
     optimizer_state = copy.deepcopy(optimizer.state_dict())
-    rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     was_training = model.training
     started = time.perf_counter()
     lrs: list[float] = []
     losses: list[float] = []
     smoothed: list[float] = []
     stopped_early = False
-    try:
-        model.train()
-        iterator = iter(batches)
-        average = 0.0
-        for i in range(steps):
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                raise ValueError(
-                    f"batches ran out after {i} of steps={steps} steps; pass at least {steps} batches "
-                    "(e.g. a DataLoader with enough samples, or fewer steps)."
-                ) from None
-            lr = lo * (hi / lo) ** (i / (steps - 1))
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.zero_grad()
-            loss = loss_fn(model, batch)
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise ValueError(
-                    f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
-                    f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; reduce it with .mean()."
-                )
-            value = float(loss.detach())
-            if not math.isfinite(value):
-                if i == 0:
-                    raise ValueError(f"the first loss is {value}; check the model and loss_fn before the test.")
-                stopped_early = True
-                break
-            lrs.append(lr)
-            losses.append(value)
-            average = smoothing * average + (1 - smoothing) * value
-            smoothed.append(average / (1 - smoothing ** (i + 1)))
-            if smoothed[-1] > diverge * min(smoothed):
-                stopped_early = True
-                break
-            loss.backward()
-            optimizer.step()
-    finally:
-        model.load_state_dict(model_state)
-        optimizer.load_state_dict(optimizer_state)
-        torch.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        model.train(was_training)
+    with torch.random.fork_rng():  # torch's CPU and CUDA generators are restored on the way out
+        try:
+            model.train()
+            iterator = iter(batches)
+            average = 0.0
+            for i in range(steps):
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    raise ValueError(
+                        f"batches ran out after {i} of steps={steps} steps; pass at least {steps} batches "
+                        "(e.g. a DataLoader with enough samples, or fewer steps)."
+                    ) from None
+                lr = lo * (hi / lo) ** (i / (steps - 1))
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                optimizer.zero_grad()
+                loss = loss_fn(model, batch)
+                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                    raise ValueError(
+                        f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
+                        f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; reduce it with .mean()."
+                    )
+                value = float(loss.detach())
+                if not math.isfinite(value):
+                    if i == 0:
+                        raise ValueError(f"the first loss is {value}; check the model and loss_fn before the test.")
+                    stopped_early = True
+                    break
+                lrs.append(lr)
+                losses.append(value)
+                average = smoothing * average + (1 - smoothing) * value
+                smoothed.append(average / (1 - smoothing ** (i + 1)))
+                if smoothed[-1] > diverge * min(smoothed):
+                    stopped_early = True
+                    break
+                loss.backward()
+                optimizer.step()
+        finally:
+            model.load_state_dict(model_state)
+            optimizer.load_state_dict(optimizer_state)
+            model.train(was_training)
     best = min(range(len(smoothed)), key=smoothed.__getitem__)
     return LRRangeTest(lrs, losses, smoothed, _steepest(lrs, smoothed, best), lrs[best], stopped_early,
                        time.perf_counter() - started)
