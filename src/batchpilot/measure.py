@@ -252,13 +252,9 @@ class StepMeter:
         self.timer.start()
 
     def end_micro(self, size: int) -> None:
-        """Its backward returned (not called for ghost micro-batches)."""
-        self.micro(size, self.timer.stop())
-
-    def micro(self, size: int, seconds: float | tuple[Any, Any]) -> None:
-        """One micro-batch's forward/backward time: seconds, or a :meth:`MicroTimer.stop` result."""
+        """Its backward returned (not called for ghost micro-batches): record its size and time."""
         self._micro_sizes.append(size)
-        self._micro_seconds.append(seconds)
+        self._micro_seconds.append(self.timer.stop())
 
     def end_step(self, step: int, loss: float, step_seconds: float, skipped: bool) -> dict[str, float]:
         """Fold in the finished step; return the metrics for the step record."""
