@@ -110,3 +110,62 @@ def noise_worker(rank: int, world_size: int, init_file: str, out_dir: str, micro
         Path(out_dir, f"noise{rank}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
+
+
+class _CountRows(torch.nn.Module):
+    """Counts the rows it sees in a buffer: ranks disagree on it unless buffers are broadcast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("rows", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.rows += len(x)
+        return x
+
+
+class _OutOfMemoryAbove(torch.nn.Module):
+    """Raises the error CUDA raises for more than ``limit`` rows (``None``: never)."""
+
+    def __init__(self, limit: int | None) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.limit is not None and len(x) > self.limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {len(x)} rows.")
+        return x
+
+
+def oom_worker(rank: int, world_size: int, init_file: str, out_dir: str, wrap_ddp: bool, limit0: int | None,
+               micro: int | None, recovery: bool) -> None:
+    """Train 8 steps (40 samples, then 64) where rank 0 'fits' at most ``limit0`` rows per micro-batch."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(_OutOfMemoryAbove(limit0 if rank == 0 else None), _CountRows(),
+                                    torch.nn.Linear(5, 12), torch.nn.Tanh(), torch.nn.Linear(12, 2)).double()
+        net = torch.nn.parallel.DistributedDataParallel(model) if wrap_ddp else model
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        pilot = batchpilot.Pilot(net, opt, make_data(), batch_size=40, seed=5, noise_every=2, lr_rule="linear",
+                                 controller=lambda step, size: 40 if step < 3 else 64, max_micro_batch_size=micro,
+                                 oom_recovery=recovery)
+        steps: dict[int, list[int]] = {}
+        for x, y in pilot.batches(max_steps=8):
+            m = pilot.micro_batch
+            if m.micro_index == 0:
+                steps[m.step] = []  # a step that runs again starts again
+            steps[m.step].extend(m.indices.tolist())
+            with pilot.micro_step():
+                pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+        result = {
+            "indices": list(steps.values()),
+            "weights": [p.detach().tolist() for p in model.parameters()],
+            "rows": float(model[1].rows),
+            "replays": pilot.oom_replays,
+            "micro": pilot.loader.max_micro_batch_size,
+            "noise": {k: v for k, v in pilot.last_record.items() if k.startswith("stats/")},
+        }
+        Path(out_dir, f"oom{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()

@@ -112,3 +112,33 @@ def test_noise_scale_over_two_ranks_matches_the_closed_form(tmp_path, micro, wra
     assert r0["accumulation"] == expected
     assert r0["stats/grad_sq_norm"] == pytest.approx(r0["true_g2"], rel=0.1)
     assert r0["stats/trace_cov"] == pytest.approx(r0["true_tr"], rel=0.1)
+
+
+def spawn_oom(tmp_path: Path, wrap_ddp: bool, limit0, micro, recovery: bool) -> list[dict]:
+    tmp_path.mkdir()
+    mp.spawn(h.oom_worker, args=(2, str(tmp_path / "init"), str(tmp_path), wrap_ddp, limit0, micro, recovery),
+             nprocs=2, join=True)
+    return [json.loads((tmp_path / f"oom{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("wrap_ddp", [False, True])
+def test_one_rank_out_of_memory_makes_every_rank_run_the_step_again(tmp_path, wrap_ddp):
+    # Rank 0 fits 6 rows, rank 1 any number: rank 0 fails at its share of 20 and at 10; both ranks run the
+    # first step again twice (one integer all-reduce per step tells them), then train with micro-batches of 5.
+    ranks = spawn_oom(tmp_path / "oom", wrap_ddp, 6, None, True)
+    assert [r["replays"] for r in ranks] == [2, 2] and [r["micro"] for r in ranks] == [5, 5]
+    assert ranks[0]["weights"] == ranks[1]["weights"] and ranks[0]["noise"] == ranks[1]["noise"]
+    # Rank 0's module buffers are broadcast after every step (DDP would do it before a synced forward).
+    if wrap_ddp:
+        assert ranks[0]["rows"] == ranks[1]["rows"]
+    # Bit for bit the run that had micro-batches of 5 from the start.
+    reference = spawn_oom(tmp_path / "ref", wrap_ddp, None, 5, True)
+    assert [r["replays"] for r in reference] == [0, 0]
+    for r, ref in zip(ranks, reference):
+        assert r["indices"] == ref["indices"] and r["weights"] == ref["weights"] and r["noise"] == ref["noise"]
+    if wrap_ddp:
+        # The engine's all-reduce at the step's end gives DDP's own result (its in-backward all-reduce).
+        plain = spawn_oom(tmp_path / "plain", True, None, 5, False)
+        assert plain[0]["indices"] == ranks[0]["indices"]
+        for w, w_ref in zip(ranks[0]["weights"], plain[0]["weights"]):
+            torch.testing.assert_close(torch.tensor(w), torch.tensor(w_ref), rtol=1e-12, atol=1e-14)

@@ -66,6 +66,15 @@ def broadcast_int(value: int, src: int = 0) -> int:
     return int(t.item())
 
 
+def all_reduce_min_int(value: int) -> int:
+    """The smallest of one integer over ranks (the value itself on one process)."""
+    if not is_distributed():
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
 def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     """Sum a small float64 tensor over ranks (in place when distributed) and return it."""
     if is_distributed():
@@ -98,6 +107,24 @@ def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
             n = g.numel()
             g.copy_(flat[offset : offset + n].view_as(g))
             offset += n
+
+
+def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> None:
+    """Copy ``src``'s module buffers (e.g. BatchNorm running statistics) to every rank, flattened into one
+    broadcast per dtype and device."""
+    if not is_distributed():
+        return
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for b in module.buffers():
+        groups.setdefault((b.dtype, b.device), []).append(b)
+    device = _comm_device()
+    for buffers in groups.values():
+        flat = torch.cat([b.reshape(-1) for b in buffers]).to(device)
+        dist.broadcast(flat, src=src)
+        offset = 0
+        for b in buffers:
+            b.copy_(flat[offset : offset + b.numel()].view_as(b))
+            offset += b.numel()
 
 
 def barrier() -> None:

@@ -5,6 +5,10 @@ The user's loop stays a loop over micro-batches::
     for x, y in pilot.batches(epochs=10):
         pilot.backward(loss_fn(model(x), y))
 
+With ``Pilot(oom_recovery=True)`` each micro-batch's forward and backward go inside
+``with pilot.micro_step():``; a step that runs out of memory is then run again with half the micro-batch
+(same global batch, same LR), as Composer does.
+
 Between the last micro-batch of a step and the first of the next, the generator runs the step's end:
 gradient all-reduce (when the model is not DDP-wrapped), non-finite check, clipping, optimizer step, LR
 coupling and schedules, logging, the controller's decision (rank 0 decides, every rank applies the
@@ -106,6 +110,15 @@ class Pilot:
             (``benchmarks/overhead.py``): +3% per step at 16, +9% at 8, +18% at 4.
         system_every: Sample CPU/memory/GPU load every N steps (needs ``batchpilot[system]``; ``None``: off).
             The loss trend and the throughput model (time per micro-batch ``a + b*m``) are always on.
+        oom_recovery: Recover from running out of memory: each micro-batch's forward and backward must run
+            inside ``with pilot.micro_step():``; an out-of-memory error there is caught, the step's
+            gradients are dropped, and the same step (same samples, same global batch and LR) runs again
+            with micro-batches of at most half the size that failed; the bound then stays (it never grows
+            back, and it is saved in checkpoints). With several ranks the ranks agree on it with one
+            integer all-reduce per step, and a DDP model runs every micro-batch under ``no_sync`` and has
+            its gradients all-reduced at the step's end (DDP's overlap of communication with the backward
+            is lost; module buffers are broadcast from rank 0 after each step, as DDP does before a
+            forward). See docs/concepts.md.
         rank, world_size: Override what ``torch.distributed`` reports (for tests).
 
     Raises:
@@ -150,6 +163,7 @@ class Pilot:
         loss_history: int = 50,
         noise_every: int | None = None,
         system_every: int | None = 100,
+        oom_recovery: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
@@ -166,6 +180,7 @@ class Pilot:
             checkpoint_every=lambda: checkpoint_every is None or check_positive_int(checkpoint_every, "checkpoint_every"),
             grad_clip=lambda: _check_grad_clip(grad_clip),
             controller=lambda: check_controller(controller),
+            oom_recovery=lambda: _check_bool(oom_recovery, "oom_recovery"),
         )
         if not problems and checkpoint_every is not None and checkpoint_dir is None:
             problems.append("checkpoint_every is set but checkpoint_dir is None; pass checkpoint_dir=... too.")
@@ -185,6 +200,17 @@ class Pilot:
                 "torch.distributed.init_process_group first (torchrun sets it up), or use world_size=1."
             )
         self._ddp = isinstance(model, DistributedDataParallel)
+        self.oom_recovery = oom_recovery
+        # Who sums the gradients over ranks: DDP inside the last backward, or the engine at the step's end
+        # (without DDP, and under OOM recovery, where the ranks must agree on a replay before any reduction).
+        self._engine_reduces = self.world_size > 1 and (not self._ddp or oom_recovery)
+        self._ddp_syncs = self._ddp and not self._engine_reduces
+        if self._ddp and self._engine_reduces:
+            # Every micro-batch then runs under no_sync, whose forwards do no collective, except that DDP
+            # broadcasts the buffers in a forward that follows a synced one, and starts as if one had run.
+            # A rank that fails inside a forward would leave the ranks' collectives out of step; the engine
+            # broadcasts the buffers itself at each step's end instead.
+            model.require_forward_param_sync = False
         self._params = [p for p in model.parameters() if p.requires_grad]
         if not self._params:
             raise ValueError("the model has no parameter with requires_grad=True: there is nothing to train.")
@@ -236,9 +262,9 @@ class Pilot:
         if noise_every is None and (needs_gradient_stats(self.controller) or self.adascale is not None):
             noise_every = DEFAULT_NOISE_EVERY
         self._noise = GradientNoiseProbe(
-            self._params, every=noise_every, ranks_are_small_batches=self.world_size > 1 and not self._ddp
+            self._params, every=noise_every, ranks_are_small_batches=self._engine_reduces
         ) if noise_every else None
-        if self._noise is not None and self._ddp and self.world_size > 1 and not self._noise.attach_ddp(model):
+        if self._noise is not None and self._ddp_syncs and self.world_size > 1 and not self._noise.attach_ddp(model):
             logger.info("the DDP model already has a communication hook: measured steps are split in two "
                         "to measure the gradient noise scale (see docs/statistics.md)")
         self._meter = StepMeter(system_every=system_every, device=self.device)
@@ -259,6 +285,10 @@ class Pilot:
         self._micro: MicroBatch | None = None
         self._backward_done = False
         self._micro_losses: list[tuple[torch.Tensor, int]] = []  # (detached loss, weight in samples)
+        self._in_micro_step = False
+        self._oom_size: int | None = None  # samples of the micro-batch that ran out of memory, this step
+        self._oom_error = ""
+        self.oom_replays = 0  # steps run again after running out of memory
         self._step_clock = time.perf_counter()
 
     # ------------------------------------------------------------------ properties
@@ -335,6 +365,11 @@ class Pilot:
                 steps_before, full_epoch = self.step, self.loader.position()[1] == 0
                 for micro in self.loader:
                     yield from self._run_micro(micro)
+                    if self.oom_recovery and (self._oom_size is not None or micro.is_last):
+                        cap = self._agreed_micro_cap()
+                        if cap is not None:
+                            self._replay_step(micro, cap)
+                            continue
                     if micro.is_last:
                         self._finish_step(micro, bar)
                         if done():
@@ -368,12 +403,14 @@ class Pilot:
             yield data  # the common case, without context managers
         else:
             with contextlib.ExitStack() as stack:
-                if self._ddp and not micro.is_last:
+                if self._ddp and not (micro.is_last and self._ddp_syncs):
                     stack.enter_context(self.model.no_sync())  # type: ignore[operator]
                 if self.amp is not None:
                     dtype = torch.bfloat16 if self.amp == "bf16" else torch.float16
                     stack.enter_context(torch.autocast(self.device.type, dtype=dtype))
                 yield data
+        if self._oom_size is not None:
+            return  # this step runs again (see micro_step)
         if not micro.ghost:
             self._meter.end_micro(micro.size)
         if not self._backward_done:
@@ -381,6 +418,34 @@ class Pilot:
                 "pilot.backward(loss) was not called for the last micro-batch; call it exactly once per "
                 "micro-batch yielded by pilot.batches()."
             )
+
+    @contextlib.contextmanager
+    def micro_step(self) -> Iterator[None]:
+        """Wrap one micro-batch's forward and backward; with ``oom_recovery=True`` an out-of-memory error
+        inside is caught and the step runs again with smaller micro-batches (Composer's scheme).
+
+        Without ``oom_recovery`` the block changes nothing, so a loop can be written once for both::
+
+            for x, y in pilot.batches(epochs=10):
+                with pilot.micro_step():
+                    pilot.backward(loss_fn(model(x), y))
+
+        Raises:
+            RuntimeError: used outside :meth:`batches`, or the micro-batch that ran out of memory had a
+                single sample (nothing left to split).
+        """
+        if self._micro is None:
+            raise RuntimeError("pilot.micro_step() was used outside a `for batch in pilot.batches(...)` loop.")
+        self._in_micro_step = True
+        try:
+            yield
+        except Exception as exc:
+            if not (self.oom_recovery and is_out_of_memory(exc)):
+                raise
+            self._oom_size = len(self._micro.indices)  # a ghost micro-batch holds one borrowed sample
+            self._oom_error = (str(exc).splitlines() or [type(exc).__name__])[0]
+        finally:
+            self._in_micro_step = False
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` weighted so the step's gradient is the mean over the global batch.
@@ -398,6 +463,11 @@ class Pilot:
             raise RuntimeError("pilot.backward() was called outside a `for batch in pilot.batches(...)` loop.")
         if self._backward_done:
             raise RuntimeError("pilot.backward() was called twice for one micro-batch; call it once per micro-batch.")
+        if self.oom_recovery and not self._in_micro_step:
+            raise RuntimeError(
+                "Pilot(oom_recovery=True) needs each micro-batch's forward and backward inside "
+                "`with pilot.micro_step():` (an out-of-memory error outside it cannot be recovered)."
+            )
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError(
                 f"pilot.backward() needs a scalar loss tensor, got {type(loss).__name__} "
@@ -408,7 +478,7 @@ class Pilot:
         if per_sample:
             self._micro_losses.append((loss.detach(), per_sample))
         weight = per_sample / micro.global_size
-        if self._ddp:
+        if self._ddp_syncs:
             weight *= self.world_size  # DDP divides the summed gradients by the world size
         scaled = loss if weight == 1.0 else loss * weight
         if self.scaler is not None:
@@ -420,14 +490,53 @@ class Pilot:
             to_mean = weight * (1 if self.loss_reduction == "mean" else n)
             if self.scaler is not None:
                 to_mean *= float(self.scaler.get_scale())
-            self._noise.after_backward(n, to_mean, synced=self._ddp and micro.is_last)
+            self._noise.after_backward(n, to_mean, synced=self._ddp_syncs and micro.is_last)
+
+    # ------------------------------------------------------------------ out of memory
+    def _agreed_micro_cap(self) -> int | None:
+        """The micro-batch bound for running this step again, agreed over ranks, or ``None`` when no rank
+        ran out of memory (every rank calls this once per step attempt: after its last micro-batch, or
+        as soon as it ran out of memory)."""
+        failed = self._oom_size
+        no_oom = 2**62
+        cap = bpdist.all_reduce_min_int(no_oom if failed is None else failed // 2)
+        if cap == no_oom:
+            return None
+        if cap < 1:
+            self._oom_size = None
+            raise RuntimeError(
+                "out of memory with micro-batches of 1 sample (on at least one rank): the model does not fit "
+                "even one sample; use a smaller model, mixed precision (amp='bf16' or 'fp16') or a device with "
+                "more memory."
+            )
+        return cap
+
+    def _replay_step(self, micro: MicroBatch, cap: int) -> None:
+        """Drop the step's gradients and run it again from its first micro-batch, at most ``cap`` samples
+        per micro-batch from now on."""
+        old = self.loader.max_micro_batch_size
+        error = self._oom_error if self._oom_size is not None else "another rank ran out of memory"
+        self._oom_size, self._oom_error = None, ""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._micro_losses.clear()
+        self._meter.discard_step()
+        self._micro = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the failed attempt's cached blocks back before the retry
+        self.loader.replay_step(cap)
+        self.oom_replays += 1
+        self._event("out_of_memory", {"global_batch_size": micro.global_size, "max_micro_batch_size": old,
+                                      "new_max_micro_batch_size": cap, "error": error})
+        self._step_clock = time.perf_counter()
 
     # ------------------------------------------------------------------ step end
     def _finish_step(self, micro: MicroBatch, bar: ProgressBar) -> None:
         size = micro.global_size
-        if self.world_size > 1 and not self._ddp:
+        if self._engine_reduces:
             bpdist.all_reduce_gradients(self._params)
-        loss_sum = sum(float(value) * weight for value, weight in self._micro_losses)
+            if self._ddp and self.model.broadcast_buffers:  # type: ignore[union-attr]
+                bpdist.broadcast_buffers(self.model.module)  # what DDP does before a synced forward
+        loss_sum = _weighted_loss_sum(self._micro_losses)
         self._micro_losses.clear()
         if self.world_size > 1:
             loss_sum = float(bpdist.all_reduce_sum(torch.tensor([loss_sum], dtype=torch.float64))[0])
@@ -737,6 +846,20 @@ class Pilot:
 
 
 # ---------------------------------------------------------------------- helpers
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocator running out of memory (``torch.OutOfMemoryError`` on CUDA, or a
+    ``RuntimeError`` saying so from another backend or the CPU allocator)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    message = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in message or "can't allocate memory" in message)
+
+
+def _check_bool(value: Any, name: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}.")
+
+
 def _check_grad_clip(value: Any) -> None:
     if value is None or value == "stats":
         return
@@ -755,3 +878,14 @@ def _to_device(data: Any, device: torch.device) -> Any:
             return type(data)(*moved) if hasattr(data, "_fields") else type(data)(moved)  # namedtuples keep fields
         return moved
     return data
+
+
+def _weighted_loss_sum(losses: list[tuple[torch.Tensor, int]]) -> float:
+    """Sum of ``loss * weight`` over a step's micro-batches, read with one device-to-host copy (on a GPU a
+    ``float()`` per micro-batch would wait for the device once per micro-batch)."""
+    if not losses:
+        return 0.0
+    first = losses[0][0]
+    values = torch.stack([value.to(first.device, first.dtype) for value, _ in losses]).tolist()
+    return sum(value * weight for value, (_, weight) in zip(values, losses))
+

@@ -256,6 +256,11 @@ class StepMeter:
         self._micro_sizes.append(size)
         self._micro_seconds.append(self.timer.stop())
 
+    def discard_step(self) -> None:
+        """Forget the micro-batches timed so far in this step (it runs again after running out of memory)."""
+        self._micro_sizes.clear()
+        self._micro_seconds.clear()
+
     def end_step(self, step: int, loss: float, step_seconds: float, skipped: bool) -> dict[str, float]:
         """Fold in the finished step; return the metrics for the step record."""
         if not skipped and math.isfinite(loss):

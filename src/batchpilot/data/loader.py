@@ -230,6 +230,7 @@ class AdaptiveDataLoader:
         self._torch_loader: DataLoader | None = None
         self._iterator: Iterator[Any] | None = None
         self.rewinds = 0  # how often a size change discarded prefetched micro-batches
+        self._current: tuple[int, int, int, int, int] | None = None  # step position of the last micro yielded
         self._next_step = 0  # index of the next step to plan
         self.min_accumulation: Callable[[int], int] | None = None  # step index -> least micro-batches
         self._wrapped: Iterable[Any] | None = None
@@ -274,10 +275,22 @@ class AdaptiveDataLoader:
         if self._planned:
             self._rewind()
 
-    def _rewind(self) -> None:
-        """Return to the start of the first unconsumed step, discarding what was planned after it."""
+    def replay_step(self, max_micro_batch_size: int) -> None:
+        """Plan the step of the last micro-batch yielded again, from its first micro-batch, split into
+        micro-batches of at most ``max_micro_batch_size`` samples (after running out of memory in it).
+
+        The step keeps its global batch (the same indices on every rank); the bound holds from then on.
+        """
+        if self._current is None:
+            raise RuntimeError("replay_step() was called before any micro-batch was yielded.")
+        self.max_micro_batch_size = check_batch_size(max_micro_batch_size, "max_micro_batch_size")
+        self._rewind(self._current)
+
+    def _rewind(self, position: tuple[int, int, int, int, int] | None = None) -> None:
+        """Return to the start of the first unconsumed step (or of the step at ``position``), discarding
+        what was planned after it."""
         s = self.sampler
-        s.epoch, s.offset, s.samples_seen, s.dropped_samples, self._next_step = self._planned[0].position
+        s.epoch, s.offset, s.samples_seen, s.dropped_samples, self._next_step = position or self._planned[0].position
         self._planned.clear()
         self._pending.clear()
         self._exhausted = False
@@ -394,8 +407,8 @@ class AdaptiveDataLoader:
         except StopIteration:
             self._exhausted = True
 
-    @staticmethod
-    def _micro(planned: _Planned, data: Any) -> MicroBatch:
+    def _micro(self, planned: _Planned, data: Any) -> MicroBatch:
+        self._current = planned.position
         return MicroBatch(
             data,
             planned.indices,

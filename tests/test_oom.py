@@ -1,0 +1,197 @@
+"""Out-of-memory recovery in one process: a step that runs out of memory runs again with half the
+micro-batch and ends exactly as a run that used the smaller micro-batch from the start.
+
+A device's memory limit is played by a model that raises ``torch.OutOfMemoryError`` (the class CUDA raises)
+for more rows than it "fits", in the forward or in the backward; HF's trainer tests its OOM path the same
+way, by raising the error without a GPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import batchpilot
+from batchpilot.controllers import Schedule
+from batchpilot.engine import is_out_of_memory
+
+
+class MemoryLimited(torch.nn.Module):
+    """A small MLP that 'runs out of memory' above ``limit`` rows, in the forward or the backward, and
+    records the rows of every forward."""
+
+    def __init__(self, limit: int | None = None, in_backward: bool = False, fail_calls: tuple[int, ...] = ()):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)).double()
+        self.limit, self.in_backward, self.fail_calls = limit, in_backward, fail_calls
+        self.rows: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.rows.append(len(x))
+        fail = (self.limit is not None and len(x) > self.limit) or len(self.rows) in self.fail_calls
+        if fail and not self.in_backward:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {len(x)} rows.")
+        hidden = self.net[1](self.net[0](x))
+        if fail:
+            def raise_oom(grad: torch.Tensor) -> None:  # after the last layer's gradients were accumulated
+                raise torch.OutOfMemoryError("CUDA out of memory in the backward.")
+            hidden.register_hook(raise_oom)
+        return self.net[2](hidden)
+
+
+def make_data(n: int = 150) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 6, generator=g, dtype=torch.float64)
+    return TensorDataset(x, (x[:, 0] + 0.5 * x[:, 1] > 0).long())
+
+
+def grow(step: int, size: int) -> int:
+    return 40 if step < 4 else 64
+
+
+def train(model: MemoryLimited, steps: int, *, wrap: bool = True, log_path=None, on_step=None, **kwargs) -> dict:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    pilot = batchpilot.Pilot(model, opt, make_data(), batch_size=40, controller=Schedule(grow), seed=3,
+                             lr_rule="linear", base_batch_size=40, noise_every=2, log_path=log_path, **kwargs)
+    if on_step is not None:
+        pilot.add_callback(on_step)
+    steps_seen: dict[int, list[int]] = {}
+    losses: list[float] = []
+    pilot.add_callback(lambda p, record: losses.append(record["loss"]))
+    for x, y in pilot.batches(max_steps=steps):
+        micro = pilot.micro_batch
+        if micro.micro_index == 0:
+            steps_seen[micro.step] = []  # a step that runs again starts again
+        steps_seen[micro.step].extend(micro.indices.tolist())
+        if wrap:
+            with pilot.micro_step():
+                pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+        else:
+            pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    return {"pilot": pilot, "weights": [p.detach().clone() for p in model.parameters()], "losses": losses,
+            "indices": list(steps_seen.values()), "noise": {k: v for k, v in pilot.last_record.items() if k.startswith("stats/")}}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_step_that_runs_out_of_memory_runs_again_with_half_the_micro_batch(tmp_path, num_workers):
+    # The device "fits" 6 rows. Step 1 (40 samples) is a noise-measuring step, split in two halves of 20:
+    # it fails at 20 and at 10, then runs as 8 micro-batches of 5.
+    model = MemoryLimited(limit=6)
+    run = train(model, 8, oom_recovery=True, num_workers=num_workers, log_path=tmp_path / "log.jsonl")
+    pilot = run["pilot"]
+    assert pilot.oom_replays == 2 and pilot.loader.max_micro_batch_size == 5
+    assert model.rows[:2] == [20, 10] and max(model.rows[2:]) == 5
+    events = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    ooms = [e for e in events if e.get("event") == "out_of_memory"]
+    assert [(e["step"], e["max_micro_batch_size"], e["new_max_micro_batch_size"]) for e in ooms] == [
+        (1, None, 10), (1, 10, 5)]
+    assert "CUDA out of memory" in ooms[0]["error"]
+
+    # Exactly the run that used micro-batches of 5 from the start: same samples per step (the failed
+    # attempts are not counted), same losses, noise statistics and weights, bit for bit.
+    reference = train(MemoryLimited(), 8, wrap=False, max_micro_batch_size=5, num_workers=num_workers)
+    assert run["indices"] == reference["indices"]
+    assert [len(i) for i in run["indices"]] == [40, 40, 40, 30, 64, 64, 22, 64]  # epochs of 150 samples
+    assert pilot.samples_seen == reference["pilot"].samples_seen == 364
+    assert run["losses"] == reference["losses"]
+    assert run["noise"] == reference["noise"] and "stats/trace_cov" in run["noise"]
+    for a, b in zip(run["weights"], reference["weights"]):
+        assert torch.equal(a, b)
+
+
+def test_running_out_of_memory_in_the_backward_drops_the_gradients_already_accumulated():
+    # The 6th step (forward calls 10 and 11: 64 = 2 x 32) fails in its *second* micro-batch's backward:
+    # the first micro-batch's gradients and part of the second's are in .grad and must be dropped.
+    model = MemoryLimited(in_backward=True, fail_calls=(11,))
+    run = train(model, 8, oom_recovery=True, max_micro_batch_size=32)
+    assert run["pilot"].oom_replays == 1 and run["pilot"].loader.max_micro_batch_size == 16
+    assert model.rows[9:14] == [32, 32, 16, 16, 16]
+
+    def shrink_after_step_5(pilot, record):
+        if pilot.step == 5:
+            pilot.loader.set_max_micro_batch_size(16)
+
+    reference = train(MemoryLimited(), 8, wrap=False, max_micro_batch_size=32, on_step=shrink_after_step_5)
+    assert run["indices"] == reference["indices"]
+    # The throughput model saw the micro-batches that counted, not the failed attempt's first one.
+    timed = [[(m, n) for m, n, *_ in r["pilot"]._meter.throughput.state_dict()["sizes"]] for r in (run, reference)]
+    assert timed[0] == timed[1]
+    assert run["losses"] == reference["losses"]
+    for a, b in zip(run["weights"], reference["weights"]):
+        assert torch.equal(a, b)
+
+
+def test_the_smaller_micro_batch_is_kept_in_checkpoints(tmp_path):
+    model = MemoryLimited(limit=6)
+    run = train(model, 3, oom_recovery=True, checkpoint_dir=tmp_path, checkpoint_every=3)
+    assert run["pilot"].loader.max_micro_batch_size == 5
+    resumed_model = MemoryLimited(limit=6)
+    opt = torch.optim.SGD(resumed_model.parameters(), lr=0.1, momentum=0.9)
+    resumed = batchpilot.Pilot(resumed_model, opt, make_data(), batch_size=40, controller=Schedule(grow), seed=3,
+                               lr_rule="linear", base_batch_size=40, noise_every=2, oom_recovery=True)
+    resumed.load_checkpoint(tmp_path)
+    assert resumed.loader.max_micro_batch_size == 5
+    for x, y in resumed.batches(max_steps=8):
+        with resumed.micro_step():
+            resumed.backward(torch.nn.functional.cross_entropy(resumed_model(x), y))
+    assert resumed.oom_replays == 0 and max(resumed_model.rows) == 5  # no second failure after the resume
+    uninterrupted = train(MemoryLimited(limit=6), 8, oom_recovery=True)
+    for a, b in zip(resumed_model.parameters(), uninterrupted["weights"]):
+        assert torch.equal(a.detach(), b)
+
+
+def test_micro_step_without_oom_recovery_changes_nothing_and_lets_errors_through():
+    plain = train(MemoryLimited(), 5, wrap=False)
+    wrapped = train(MemoryLimited(), 5)
+    for a, b in zip(plain["weights"], wrapped["weights"]):
+        assert torch.equal(a, b)
+    with pytest.raises(torch.OutOfMemoryError):
+        train(MemoryLimited(limit=6), 2)  # recovery is off: the error reaches the user
+
+
+def test_errors_that_are_not_out_of_memory_are_not_swallowed():
+    model = MemoryLimited()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pilot = batchpilot.Pilot(model, opt, make_data(), batch_size=10, oom_recovery=True)
+    with pytest.raises(ValueError, match="shape"):
+        for x, y in pilot.batches(max_steps=1):
+            with pilot.micro_step():
+                raise ValueError("a shape mismatch in the user's code")
+    assert pilot.oom_replays == 0
+
+
+def test_out_of_memory_with_one_sample_per_micro_batch_is_a_clear_error():
+    model = MemoryLimited(limit=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pilot = batchpilot.Pilot(model, opt, make_data(), batch_size=4, oom_recovery=True)
+    with pytest.raises(RuntimeError, match="micro-batches of 1 sample.*amp="):
+        for x, y in pilot.batches(max_steps=1):
+            with pilot.micro_step():
+                pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    assert model.rows == [4, 2, 1]
+
+
+def test_misuse_is_reported():
+    model = MemoryLimited()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="oom_recovery must be True or False, got 'yes'"):
+        batchpilot.Pilot(model, opt, make_data(), batch_size=4, oom_recovery="yes")
+    pilot = batchpilot.Pilot(model, opt, make_data(), batch_size=4, oom_recovery=True)
+    with pytest.raises(RuntimeError, match="outside a `for batch in pilot.batches"):
+        with pilot.micro_step():
+            pass
+    with pytest.raises(RuntimeError, match="inside `with pilot.micro_step"):
+        for x, y in pilot.batches(max_steps=1):
+            pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+
+
+def test_what_counts_as_out_of_memory():
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_out_of_memory(RuntimeError("CUDA out of memory."))  # older torch, other backends
+    assert is_out_of_memory(RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"))
+    assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB"))
+    assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_out_of_memory(ValueError("out of memory"))  # only allocator errors (RuntimeError) count
