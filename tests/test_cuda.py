@@ -2,8 +2,8 @@
 
 Run them where a device is available with ``python -m pytest -q tests/test_cuda.py tests/test_engine_stats.py
 -k cuda``. They check what CPU tests cannot: asynchronous kernels timed by CUDA events (the throughput model
-that ``Goodput`` reads), a dataset already on the GPU, fp16 with a real GradScaler, and Lightning's own
-GradScaler under ``precision="16-mixed"``.
+that ``Goodput`` reads), a dataset already on the GPU, fp16 with a real GradScaler, Lightning's own
+GradScaler under ``precision="16-mixed"``, and recovery from a real CUDA out-of-memory error.
 """
 
 from __future__ import annotations
@@ -83,3 +83,23 @@ def test_lightning_16_mixed_statistics_on_the_gpu(tmp_path):
     stats = adaptive.stats.stats
     assert stats["stats/noise_count"] > 0 and math.isfinite(stats["stats/noise_scale"])
     assert stats["perf/micro_time_b_s"] > 0
+
+
+def test_a_real_cuda_out_of_memory_error_is_recovered():
+    # A layer whose output for the first micro-batch needs ~1.5x the device's memory: the real allocator
+    # fails, the engine halves the micro-batch until the step fits, and training goes on.
+    total = torch.cuda.get_device_properties(0).total_memory
+    rows = 1 << 14
+    width = int(1.5 * total / (rows * 4))  # float32 output of the first forward: ~1.5 x the memory
+    g = torch.Generator().manual_seed(0)
+    ds = TensorDataset(torch.randn(2 * rows, 4, generator=g), torch.randn(2 * rows, 1, generator=g))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Linear(width, 1)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=rows, oom_recovery=True)
+    for x, y in pilot.batches(max_steps=2):
+        with pilot.micro_step():
+            pilot.backward(torch.nn.functional.mse_loss(model(x), y))
+    assert pilot.step == 2 and pilot.samples_seen == 2 * rows
+    assert pilot.oom_replays >= 1 and pilot.loader.max_micro_batch_size <= rows // 2
+    assert math.isfinite(pilot.last_record["loss"])
