@@ -846,10 +846,15 @@ class Pilot:
 
 
 # ---------------------------------------------------------------------- helpers
+# torch.OutOfMemoryError is torch >= 2.5; torch.cuda's is older (both are RuntimeErrors saying so).
+_OOM_TYPES = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
+                   if t is not None)
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` is an allocator running out of memory (``torch.OutOfMemoryError`` on CUDA, or a
     ``RuntimeError`` saying so from another backend or the CPU allocator)."""
-    if isinstance(exc, torch.OutOfMemoryError):
+    if isinstance(exc, _OOM_TYPES):
         return True
     message = str(exc).lower()
     return isinstance(exc, RuntimeError) and ("out of memory" in message or "can't allocate memory" in message)
