@@ -431,8 +431,8 @@ class Pilot:
                     pilot.backward(loss_fn(model(x), y))
 
         Raises:
-            RuntimeError: used outside :meth:`batches`, or the micro-batch that ran out of memory had a
-                single sample (nothing left to split).
+            RuntimeError: used outside :meth:`batches`. (When a micro-batch of one sample runs out of
+                memory, there is nothing left to split: :meth:`batches` raises a RuntimeError saying so.)
         """
         if self._micro is None:
             raise RuntimeError("pilot.micro_step() was used outside a `for batch in pilot.batches(...)` loop.")
@@ -893,4 +893,3 @@ def _weighted_loss_sum(losses: list[tuple[torch.Tensor, int]]) -> float:
     first = losses[0][0]
     values = torch.stack([value.to(first.device, first.dtype) for value, _ in losses]).tolist()
     return sum(value * weight for value, (_, weight) in zip(values, losses))
-
