@@ -142,3 +142,14 @@ def test_one_rank_out_of_memory_makes_every_rank_run_the_step_again(tmp_path, wr
         assert plain[0]["indices"] == ranks[0]["indices"]
         for w, w_ref in zip(ranks[0]["weights"], plain[0]["weights"]):
             torch.testing.assert_close(torch.tensor(w), torch.tensor(w_ref), rtol=1e-12, atol=1e-14)
+
+
+def test_the_oom_recovery_benchmark_runs_on_a_tiny_budget(tmp_path):
+    out = tmp_path / "bench"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "oom_recovery.py"), "--workload", "synthetic",
+                    "--batch", "64", "--steps", "2", "--rounds", "2", "--out", str(out)],
+                   check=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")}, timeout=300)
+    result = json.loads((out / "results.json").read_text())
+    assert [len(v) for v in result["seconds_per_step"].values()] == [2, 2]
+    assert all(s > 0 for v in result["seconds_per_step"].values() for s in v)
+    assert result["median_round_ratio"] > 0
