@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from pathlib import Path
@@ -167,5 +168,10 @@ def oom_worker(rank: int, world_size: int, init_file: str, out_dir: str, wrap_dd
             "noise": {k: v for k, v in pilot.last_record.items() if k.startswith("stats/")},
         }
         Path(out_dir, f"oom{rank}.json").write_text(json.dumps(result))
+        # Release the DDP model (its reducer holds the process group) before the group goes: once in ~20
+        # runs a worker aborted at exit ("terminate called without an active exception") otherwise.
+        del pilot, net, model
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
