@@ -78,6 +78,32 @@ def test_bench_resume_refuses_other_settings_or_a_damaged_file(tmp_path, capsys)
     assert "not a complete bench results.json" in capsys.readouterr().err
 
 
+def test_bench_device_is_recorded_and_an_unusable_one_is_refused(tmp_path, capsys):
+    from batchpilot.bench import run_benchmark
+
+    assert main(["bench", "--workload", "synthetic", "--policies", "static:64", "--seeds", "0", "--budget-s", "20",
+                 "--calibrate-steps", "1", "--device", "cpu", "--no-progress", "--out", str(tmp_path / "cpu")]) == 0
+    results = json.loads((tmp_path / "cpu" / "results.json").read_text())
+    assert results["config"]["device"] == "cpu" and results["runs"][0]["time_to_target_s"] is not None
+    assert "- device: cpu" in (tmp_path / "cpu" / "report.md").read_text()
+    with pytest.raises(ValueError, match="not a torch device"):
+        run_benchmark("synthetic", "static:64", [0], out_dir=tmp_path / "x", progress=False, device="gpu0")
+    with pytest.raises(ValueError, match="runs on 'cpu' or 'cuda'"):
+        run_benchmark("synthetic", "static:64", [0], out_dir=tmp_path / "x", progress=False, device="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as exc:
+            main(["bench", "--workload", "synthetic", "--device", "cuda", "--out", str(tmp_path / "x")])
+        assert exc.value.code == 2
+        assert "torch.cuda.is_available() is False" in capsys.readouterr().err
+    # A results.json from before the device was recorded resumes as a CPU bench.
+    old = json.loads((tmp_path / "cpu" / "results.json").read_text())
+    del old["config"]["device"]
+    (tmp_path / "cpu" / "results.json").write_text(json.dumps(old))
+    resumed = run_benchmark("synthetic", "static:64", [0], budget_s=20, out_dir=tmp_path / "cpu", progress=False,
+                            calibrate_steps=1, resume=True)
+    assert resumed["runs"] == results["runs"]
+
+
 def test_bench_cli_synthetic_end_to_end(tmp_path, capsys):
     out = tmp_path / "bench"
     code = main(["bench", "--workload", "synthetic", "--policies", "static:32,ramp:16-128", "--seeds", "0",

@@ -103,3 +103,13 @@ def test_a_real_cuda_out_of_memory_error_is_recovered():
     assert pilot.step == 2 and pilot.samples_seen == 2 * rows
     assert pilot.oom_replays >= 1 and pilot.loader.max_micro_batch_size <= rows // 2
     assert math.isfinite(pilot.last_record["loss"])
+
+
+def test_the_bench_runs_on_the_gpu(tmp_path):
+    from batchpilot.bench import run_benchmark
+
+    results = run_benchmark("synthetic", "static:64,goodput", [0], budget_s=30, out_dir=tmp_path, progress=False,
+                            calibrate_steps=1, device="cuda")
+    assert results["config"]["device"].startswith("cuda:") and results["config"]["device_name"]
+    assert all(r["time_to_target_s"] is not None for r in results["runs"])
+    assert all(b > 0 for b in results["calibration"]["step_s"])

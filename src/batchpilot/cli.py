@@ -71,6 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=None,
                        help="torch.set_num_threads for the run (default: leave torch's setting). On a busy "
                        "machine, 1 thread is far less sensitive to other processes.")
+    bench.add_argument("--device", default="cpu",
+                       help="where to train: cpu (default), cuda or cuda:N. The data sets are moved there once.")
     bench.add_argument("--no-progress", dest="progress", action="store_false", help="print only the results.")
     bench.set_defaults(run=_bench, subparser=bench)
 
@@ -167,10 +169,11 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         folder = out / workload.name if len(workloads) > 1 else out
         try:
             results = run_benchmark(workload, policies, seeds, target, budget, folder, args.eval_every, args.progress,
-                                    calibrate_steps=args.calibrate_steps, tune_factors=factors, resume=args.resume)
+                                    calibrate_steps=args.calibrate_steps, tune_factors=factors, resume=args.resume,
+                                    device=args.device)
         except ImportError as exc:  # a missing optional extra (mnist1d, scikit-learn)
             parser.exit(2, f"batchpilot bench: error: {exc}\n")
-        except ValueError as exc:  # --resume from a damaged or different results.json
+        except ValueError as exc:  # --resume from a damaged or different results.json, or an unusable --device
             parser.error(str(exc))
         except KeyboardInterrupt:
             parser.exit(130, f"\nbatchpilot bench: interrupted; finished runs are in {folder / 'results.json'}\n")

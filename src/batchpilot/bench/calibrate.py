@@ -126,7 +126,7 @@ def _time_steps(workload: Workload, train: TensorDataset, size: int, steps: int,
     """Seconds of each of ``steps`` optimizer steps at ``size`` after ``warm`` untimed ones."""
     from ..engine import Pilot
 
-    model = workload.build_model(0)
+    model = workload.build_model(0).to(train.tensors[0].device)  # the model goes where the data is
     optimizer = workload.make_optimizer(model.parameters(), workload.base_lr * 1e-3)  # timing only
     pilot = Pilot(model, optimizer, train, batch_size=size, progress=False, seed=0, noise_every=noise_every)
     times: list[float] = []

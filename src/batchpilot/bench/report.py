@@ -193,7 +193,8 @@ def _markdown(results: dict[str, Any], plots: dict[str, Path]) -> str:
     if cfg:
         lines += ["", "## Setup", ""]
         for key in ("description", "policies", "seeds", "budget_s", "tune_factors", "min_batch_size",
-                    "max_batch_size", "train_samples", "test_samples", "torch", "torch_threads", "python", "platform"):
+                    "max_batch_size", "train_samples", "test_samples", "torch", "torch_threads", "device", "device_name",
+                    "python", "platform"):
             if key in cfg:
                 lines.append(f"- {key}: {cfg[key]}")
     return "\n".join(lines) + "\n"

@@ -57,7 +57,7 @@ _POLICY_HELP = POLICY_HELP  # the foundation's name, kept for callers
 # What must match for a resumed bench to continue an earlier one (runs of both are compared side by side).
 RESUME_KEYS = ("policies", "seeds", "budget_s", "eval_every_epochs", "lr_rule", "base_batch_size", "base_lr",
                "tune_factors", "smith_every_epochs", "min_batch_size", "max_batch_size", "train_samples",
-               "test_samples", "torch", "torch_threads")
+               "test_samples", "torch", "torch_threads", "device")
 
 
 def _previous(path: Path) -> dict[str, Any] | None:
@@ -79,13 +79,37 @@ def _previous(path: Path) -> dict[str, Any] | None:
 def _check_resumable(previous: dict[str, Any], now: dict[str, Any], path: Path) -> None:
     """Raise unless ``previous`` (an earlier results.json) was run with the settings of ``now``."""
     old = {"workload": previous.get("workload"), "target_accuracy": previous.get("target_accuracy"),
-           **{k: previous["config"].get(k) for k in RESUME_KEYS}}
+           **{k: previous["config"].get(k, "cpu" if k == "device" else None) for k in RESUME_KEYS}}
     new = {"workload": now["workload"], "target_accuracy": now["target_accuracy"],
            **{k: now["config"].get(k) for k in RESUME_KEYS}}
     differ = [f"{k}: {old[k]!r} there, {new[k]!r} now" for k in old if old[k] != new[k]]
     if differ:
         raise ValueError(f"cannot resume from {str(path)!r}: it was run with other settings ({'; '.join(differ)}); "
                          "rerun with the same settings, or pass another --out to start afresh.")
+
+
+def _device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch.device that this machine has (``ValueError`` naming the fix otherwise)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a torch device ({exc}); use e.g. 'cpu' or 'cuda'.") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but torch.cuda.is_available() is False (no GPU, or a CPU build of "
+                             "torch); use device='cpu' or install a CUDA build of torch.")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise ValueError(f"device={device!r}: the bench runs on 'cpu' or 'cuda' devices.")
+    return dev
+
+
+def _on(data: Any, device: torch.device) -> Any:
+    """A TensorDataset with its tensors on ``device`` (the same object when they are there already)."""
+    if all(t.device == device for t in data.tensors):
+        return data
+    return type(data)(*(t.to(device) for t in data.tensors))
 
 
 # --------------------------------------------------------------------------------------- the bench
@@ -114,6 +138,7 @@ def run_benchmark(
     calibrate_steps: int = 4,
     tune_factors: Sequence[float] = TUNE_FACTORS,
     resume: bool = False,
+    device: str | torch.device = "cpu",
 ) -> dict[str, Any]:
     """Train ``workload`` under every policy for every seed and report the time to ``target_accuracy``.
 
@@ -133,6 +158,8 @@ def run_benchmark(
             (seed, run) pairs, and note the resumption in ``config["resumed"]``. The earlier run must have
             the same workload, target, policies, seeds, budget and machine settings (``RESUME_KEYS``).
             Without a ``results.json`` there it starts afresh.
+        device: Where to train (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...): the data sets are moved there
+            once and every model (calibration and runs) follows them. Evaluation time stays excluded.
 
     Returns:
         The results dict, also written to ``out_dir/results.json`` (schema in docs/benchmark.md):
@@ -157,13 +184,14 @@ def run_benchmark(
         raise ValueError(f"budget_s must be a positive number of seconds, got {budget_s!r}.")
     if not (isinstance(eval_every, (int, float)) and math.isfinite(eval_every) and eval_every > 0):
         raise ValueError(f"eval_every must be a positive number of epochs, got {eval_every!r}.")
+    dev = _device(device)
     out = Path(out_dir)
     show = Progress(progress)
     previous = _previous(out / "results.json") if resume else None
 
     show.note(f"batchpilot bench: building the {wl.name} data ...")
     t0 = time.perf_counter()
-    train, test = wl.build_data(wl.data_seed)
+    train, test = (_on(ds, dev) for ds in wl.build_data(wl.data_seed))
     data_s = time.perf_counter() - t0
     n = len(train)
     lo, hi = min(wl.min_batch_size, n), min(wl.max_batch_size, n)
@@ -209,6 +237,8 @@ def run_benchmark(
             "data_build_s": data_s,
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
+            "device": str(dev),
+            "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
             "python": platform.python_version(),
             "platform": platform.platform(),
             "description": wl.description,

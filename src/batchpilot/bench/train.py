@@ -127,7 +127,7 @@ def train_one(workload: Workload, spec: RunSpec, seed: int, train: TensorDataset
            calibration: Calibration | None = None, max_steps: int | None = None) -> dict[str, Any]:
     from ..engine import Pilot
 
-    model = workload.build_model(seed)
+    model = workload.build_model(seed).to(train.tensors[0].device)  # the model goes where the data is
     optimizer = workload.make_optimizer(model.parameters(), spec.optimizer_lr)
     pilot = Pilot(model, optimizer, train, batch_size=spec.batch_size, controller=spec.make_controller(len(train)),
                   lr_rule=spec.lr_rule, base_batch_size=spec.base_batch_size, seed=seed, progress=False,
