@@ -100,6 +100,9 @@ def _device(device: str | torch.device) -> torch.device:
                              "torch); use device='cpu' or install a CUDA build of torch.")
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r} but this machine has {torch.cuda.device_count()} CUDA device(s); "
+                             f"use cuda:0 .. cuda:{torch.cuda.device_count() - 1}.")
     elif dev.type != "cpu":
         raise ValueError(f"device={device!r}: the bench runs on 'cpu' or 'cuda' devices.")
     return dev
