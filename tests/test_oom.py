@@ -102,19 +102,23 @@ def test_a_step_that_runs_out_of_memory_runs_again_with_half_the_micro_batch(tmp
         assert torch.equal(a, b)
 
 
-def test_running_out_of_memory_in_the_backward_drops_the_gradients_already_accumulated():
-    # The 6th step (forward calls 10 and 11: 64 = 2 x 32) fails in its *second* micro-batch's backward:
-    # the first micro-batch's gradients and part of the second's are in .grad and must be dropped.
-    model = MemoryLimited(in_backward=True, fail_calls=(11,))
+@pytest.mark.parametrize(("fail_call", "step", "cap", "rows"), [
+    (11, 5, 16, [32, 32, 16, 16, 16]),  # the 6th step (calls 10-11: 64 = 2 x 32), its second micro-batch
+    (13, 6, 5, [11, 11, 5, 5, 4]),      # the 7th, an epoch's last (22 samples: 2 x 11 for the noise, then 5 x 4-5)
+])
+def test_running_out_of_memory_in_the_backward_drops_the_gradients_already_accumulated(fail_call, step, cap, rows):
+    # A failure in the backward of a step's *second* micro-batch: the first micro-batch's gradients and part
+    # of the second's are in .grad and must be dropped.
+    model = MemoryLimited(in_backward=True, fail_calls=(fail_call,))
     run = train(model, 8, oom_recovery=True, max_micro_batch_size=32)
-    assert run["pilot"].oom_replays == 1 and run["pilot"].loader.max_micro_batch_size == 16
-    assert model.rows[9:14] == [32, 32, 16, 16, 16]
+    assert run["pilot"].oom_replays == 1 and run["pilot"].loader.max_micro_batch_size == cap
+    assert model.rows[fail_call - 2:fail_call + 3] == rows
 
-    def shrink_after_step_5(pilot, record):
-        if pilot.step == 5:
-            pilot.loader.set_max_micro_batch_size(16)
+    def shrink_after_the_failed_step(pilot, record):
+        if pilot.step == step:
+            pilot.loader.set_max_micro_batch_size(cap)
 
-    reference = train(MemoryLimited(), 8, wrap=False, max_micro_batch_size=32, on_step=shrink_after_step_5)
+    reference = train(MemoryLimited(), 8, wrap=False, max_micro_batch_size=32, on_step=shrink_after_the_failed_step)
     assert run["indices"] == reference["indices"]
     # The throughput model saw the micro-batches that counted, not the failed attempt's first one.
     timed = [[(m, n) for m, n, *_ in r["pilot"]._meter.throughput.state_dict()["sizes"]] for r in (run, reference)]
