@@ -109,6 +109,9 @@ def noise_worker(rank: int, world_size: int, init_file: str, out_dir: str, micro
         out = {k: v for k, v in pilot.last_record.items() if k.startswith("stats/")}
         out.update(true_g2=true_g2, true_tr=true_tr, accumulation=sorted(accumulation))
         Path(out_dir, f"noise{rank}.json").write_text(json.dumps(out))
+        del pilot, ddp, model  # the DDP model goes before its process group (see oom_worker)
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
