@@ -430,6 +430,9 @@ class Pilot:
                 with pilot.micro_step():
                     pilot.backward(loss_fn(model(x), y))
 
+        Pass the loss straight to :meth:`backward` (or run the forward and backward in a function): a
+        ``loss = ...`` assigned in the block outlives a failed attempt and keeps its activations alive.
+
         Raises:
             RuntimeError: used outside :meth:`batches`. (When a micro-batch of one sample runs out of
                 memory, there is nothing left to split: :meth:`batches` raises a RuntimeError saying so.)
