@@ -8,6 +8,7 @@ way, by raising the error without a GPU."""
 from __future__ import annotations
 
 import json
+import weakref
 
 import pytest
 import torch
@@ -199,3 +200,43 @@ def test_what_counts_as_out_of_memory():
     assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB"))
     assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_out_of_memory(ValueError("out of memory"))  # only allocator errors (RuntimeError) count
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_the_retry_runs_without_the_failed_attempts_activations(where):
+    # The tensors the failed attempt saved for its backward (its activations) must be free before the retry's
+    # forward: nothing in the engine may keep its graph. Saved tensors are tracked through autograd's
+    # saved-tensor hooks (each packed into an object we hold a weak reference to).
+    class Packed:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t.detach()  # not the tensor itself: saving an output with its grad_fn makes a cycle
+
+    packed: list = []
+
+    def pack(t):
+        p = Packed(t)
+        packed.append(weakref.ref(p))
+        return p
+
+    alive_at_forward: list[int] = []
+
+    class Model(torch.nn.Linear):
+        def forward(self, x):
+            alive_at_forward.append(sum(r() is not None for r in packed))
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda p: p.t):
+                out = super().forward(x).exp()
+            if len(x) > 8:
+                if where == "forward":
+                    raise torch.OutOfMemoryError("CUDA out of memory.")
+                out.register_hook(lambda g: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory.")))
+            return out
+
+    model = Model(4, 1)
+    data = TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    pilot = batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), data, batch_size=16,
+                             oom_recovery=True, shuffle=False)
+    for x, y in pilot.batches(max_steps=1):
+        with pilot.micro_step():
+            pilot.backward(torch.nn.functional.mse_loss(model(x), y))
+    assert pilot.oom_replays == 1
+    assert alive_at_forward == [0, 0, 0]  # the 16-row attempt, then the two 8-row micro-batches of the retry
