@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -93,38 +94,33 @@ def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
     """
     if not is_distributed():
         return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    device = _comm_device()
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads]).to(device)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        offset = 0
-        for g in grads:
-            n = g.numel()
-            g.copy_(flat[offset : offset + n].view_as(g))
-            offset += n
+    _flattened(lambda flat: dist.all_reduce(flat, op=dist.ReduceOp.SUM), [p.grad for p in params])
 
 
 def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> None:
     """Copy ``src``'s module buffers (e.g. BatchNorm running statistics) to every rank, flattened into one
     broadcast per dtype and device."""
-    if not is_distributed():
-        return
+    if is_distributed():
+        _flattened(lambda flat: dist.broadcast(flat, src=src), list(module.buffers()))
+
+
+def _flattened(collective: Callable[[torch.Tensor], Any], tensors: list[torch.Tensor]) -> None:
+    """Run an in-place ``collective`` on ``tensors`` as one flat buffer per dtype and device (one call
+    each instead of one per tensor), and copy the result back."""
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for b in module.buffers():
-        groups.setdefault((b.dtype, b.device), []).append(b)
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
     device = _comm_device()
-    for buffers in groups.values():
-        flat = torch.cat([b.reshape(-1) for b in buffers]).to(device)
-        dist.broadcast(flat, src=src)
+    for group in groups.values():
+        flat = torch.cat([t.reshape(-1) for t in group]).to(device)
+        collective(flat)
         offset = 0
-        for b in buffers:
-            b.copy_(flat[offset : offset + b.numel()].view_as(b))
-            offset += b.numel()
+        for t in group:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 def barrier() -> None:
