@@ -51,7 +51,7 @@ from .controllers.base import (
 )
 from .data.loader import AdaptiveDataLoader, MicroBatch
 from .logs import AdjustmentLog, ProgressBar, TensorBoardSink
-from .measure import DEFAULT_NOISE_EVERY, GradientNoiseProbe, StepMeter
+from .measure import DEFAULT_NOISE_EVERY, GradientNoiseProbe, StepMeter, read_scalars
 from .lr import AdaScaleLR, LRCoupling, SampleLRSchedule
 from .rng import gather_rng_states, restore_rng_states
 
@@ -539,7 +539,8 @@ class Pilot:
             bpdist.all_reduce_gradients(self._params)
             if self._ddp and self.model.broadcast_buffers:  # type: ignore[union-attr]
                 bpdist.broadcast_buffers(self.model.module)  # what DDP does before a synced forward
-        loss_sum = _weighted_loss_sum(self._micro_losses)
+        loss_sum = sum(value * weight for value, (_, weight) in
+                       zip(read_scalars([loss for loss, _ in self._micro_losses]), self._micro_losses))
         self._micro_losses.clear()
         if self.world_size > 1:
             loss_sum = float(bpdist.all_reduce_sum(torch.tensor([loss_sum], dtype=torch.float64))[0])
@@ -886,13 +887,3 @@ def _to_device(data: Any, device: torch.device) -> Any:
             return type(data)(*moved) if hasattr(data, "_fields") else type(data)(moved)  # namedtuples keep fields
         return moved
     return data
-
-
-def _weighted_loss_sum(losses: list[tuple[torch.Tensor, int]]) -> float:
-    """Sum of ``loss * weight`` over a step's micro-batches, read with one device-to-host copy (on a GPU a
-    ``float()`` per micro-batch would wait for the device once per micro-batch)."""
-    if not losses:
-        return 0.0
-    first = losses[0][0]
-    values = torch.stack([value.to(first.device, first.dtype) for value, _ in losses]).tolist()
-    return sum(value * weight for value, (_, weight) in zip(values, losses))

@@ -38,6 +38,15 @@ DEFAULT_NOISE_EVERY = 16
 """Measurement period of the gradient noise scale when a controller needs it and the user did not say."""
 
 
+def read_scalars(values: list[torch.Tensor]) -> list[float]:
+    """The values of 0-dim tensors (a step's micro-batch losses) with one device-to-host copy: on a GPU a
+    ``float()`` each would wait for the device once per tensor."""
+    if not values:
+        return []
+    first = values[0]
+    return torch.stack([v.to(first.device, first.dtype) for v in values]).tolist()
+
+
 class GradientNoiseProbe:
     """Measures micro-batch gradient norms on every ``every``-th step and feeds a noise-scale estimator.
 
@@ -257,7 +266,8 @@ class StepMeter:
         self._micro_seconds.append(self.timer.stop())
 
     def discard_step(self) -> None:
-        """Forget the micro-batches timed so far in this step (it runs again after running out of memory)."""
+        """Forget the micro-batches timed so far in this step (folded in, or to run again after running out
+        of memory)."""
         self._micro_sizes.clear()
         self._micro_seconds.clear()
 
@@ -268,8 +278,7 @@ class StepMeter:
         if self._micro_sizes:
             seconds = [MicroTimer.seconds(s) for s in self._micro_seconds]
             self.throughput.observe_step(self._micro_sizes, seconds, max(step_seconds, sum(seconds)))
-        self._micro_sizes.clear()
-        self._micro_seconds.clear()
+        self.discard_step()
         if step % self.refresh_every == 0 or not self._metrics:
             # Refitting the throughput model and the trend costs tens of microseconds: every few steps is
             # plenty for controllers that act every tens of steps, and keeps the step loop cheap.

@@ -40,6 +40,7 @@ from ..data.loader import AdaptiveDataLoader, MicroBatch
 from .._validation import check_positive_int
 from ..clipping import grad_norm
 from ..controllers.base import needs_gradient_stats
+from ..measure import read_scalars
 from ._driver import SizeDriver
 from ._step_stats import StepStats, check_measurable
 
@@ -329,7 +330,8 @@ class AdaptiveBatchSize(Callback):
             self._step_losses.append((raw, factor, micro.size))
         if not micro.is_last:
             return
-        totals = torch.tensor([sum(float(r) * f * n for r, f, n in self._step_losses),
+        values = read_scalars([r for r, _, _ in self._step_losses])  # one device-to-host copy
+        totals = torch.tensor([sum(v * f * n for v, (_, f, n) in zip(values, self._step_losses)),
                                float(sum(n for _, _, n in self._step_losses))], dtype=torch.float64)
         self._step_losses = []
         totals = bpdist.all_reduce_sum(totals)
