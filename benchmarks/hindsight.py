@@ -33,6 +33,7 @@ default 4096: ``lr = lr_max (1 + B_simple/anchor) / (1 + B_simple/B)``, see docs
 ``--lr-max auto`` runs the LR range test (:func:`batchpilot.lr.lr_range_test`, 100 steps at ``--test-batch``,
 default B) once per seed and takes its suggestion; its seconds are reported per run (``range_test_s``) and
 not included in the time to target. Variants are interleaved seed by seed so drift hits all of them alike.
+``--device cuda`` trains on a GPU (the data sets are moved there once, as ``batchpilot bench --device``).
 Output: ``hindsight.json`` (every run and the medians) and ``hindsight.png`` (median time to target per
 variant, one dot per seed; needs matplotlib).
 
@@ -57,6 +58,7 @@ from typing import Any, Callable
 import torch
 
 from batchpilot import controllers
+from batchpilot.bench.runner import on_device, resolve_device
 from batchpilot.bench.specs import RunSpec
 from batchpilot.bench.train import train_one
 from batchpilot.bench.workloads import Workload, get_workload
@@ -158,14 +160,14 @@ def curve_specs(batch: int, lr_max: float, anchor: int, bounds: dict[str, int]) 
 
 def range_test_lr(workload: Workload, train: Any, seed: int, batch: int) -> tuple[float, float]:
     """The LR range test's suggestion for ``workload`` at ``batch`` (seeded batches), and its seconds."""
-    model = workload.build_model(seed)
+    tensors = train.tensors
+    model = workload.build_model(seed).to(tensors[0].device)
     optimizer = workload.make_optimizer(model.parameters(), workload.base_lr)
     g = torch.Generator().manual_seed(seed)
-    tensors = train.tensors
 
     def batches():
         while True:
-            idx = torch.randint(0, len(train), (batch,), generator=g)
+            idx = torch.randint(0, len(train), (batch,), generator=g).to(tensors[0].device)
             yield [t[idx] for t in tensors]
 
     result = lr_range_test(model, optimizer, batches(), lambda m, b: workload.loss_fn(m(b[0]), b[1]),
@@ -238,6 +240,7 @@ def main() -> None:
     p.add_argument("--target", type=float, help="test accuracy to reach (default: the workload's)")
     p.add_argument("--budget", type=float, help="most training seconds per run (default: the workload's)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    p.add_argument("--device", default="cpu", help="where to train: cpu (default), cuda, cuda:N")
     p.add_argument("--out", type=Path, default=Path("bench-out/hindsight"), help="folder for hindsight.json/.png")
     args = p.parse_args()
 
@@ -263,13 +266,17 @@ def main() -> None:
         p.error(f"the variants {', '.join(sorted(set(variants) & set(CURVE)))} need --lr-max (a number or auto)")
     seeds = [int(s) for s in args.seeds.split(",")]
     torch.set_num_threads(args.threads)
+    try:
+        device = resolve_device(args.device)
+    except ValueError as exc:
+        p.error(str(exc))
 
     workload = get_workload(recipe["workload"])
-    train, test = workload.build_data(workload.data_seed)
+    train, test = (on_device(d, device) for d in workload.build_data(workload.data_seed))
     target = args.target if args.target is not None else workload.target_accuracy
     budget = args.budget if args.budget is not None else workload.budget_s
     print(f"recipe: {recipe['workload']} batch {recipe['batch']} at lr {recipe['lr']:g} (held), "
-          f"{recipe['epochs']:g} epochs to {target}; {len(variants)} variants x {len(seeds)} seeds")
+          f"{recipe['epochs']:g} epochs to {target}; {len(variants)} variants x {len(seeds)} seeds on {device}")
 
     runs: list[dict[str, Any]] = []
     started = time.perf_counter()
@@ -301,7 +308,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"recipe": recipe, "target": target, "budget_s": budget, "warm": args.warm, "anneal": args.anneal,
               "lr_max": args.lr_max, "anchor": args.anchor,
-              "seeds": seeds, "threads": args.threads, "machine": platform.platform(), "torch": torch.__version__,
+              "seeds": seeds, "threads": args.threads, "device": str(device), "machine": platform.platform(),
+              "torch": torch.__version__,
               "summary": summary, "runs": runs}
     (args.out / "hindsight.json").write_text(json.dumps(result, indent=1))
     title = f"{recipe['workload']}: around batch {recipe['batch']} at lr {recipe['lr']:g} (held)"

@@ -57,9 +57,10 @@ def test_runs_on_a_tiny_budget(bench, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", [
         "hindsight.py", "--workload", "synthetic", "--batch", "64", "--lr", "0.02", "--epochs", "2",
         "--variants", "static,warm+anneal,goodput", "--seeds", "0", "--budget", "1.5", "--threads", "1",
-        "--out", str(out)])
+        "--device", "cpu", "--out", str(out)])
     bench.main()
     result = json.loads((out / "hindsight.json").read_text())
+    assert result["device"] == "cpu"
     assert [r["variant"] for r in result["runs"]] == ["static", "warm+anneal", "goodput"]
     assert result["runs"][1]["batch_sizes"][0][1] == 16  # B/4 first
     static = result["summary"]["static"]
@@ -74,6 +75,15 @@ def test_static_is_required(bench, monkeypatch):
                                       "--epochs", "2", "--variants", "anneal"])
     with pytest.raises(SystemExit):
         bench.main()
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:99"])
+def test_an_unusable_device_is_refused(bench, monkeypatch, capsys, device):
+    monkeypatch.setattr(sys, "argv", ["hindsight.py", "--workload", "synthetic", "--batch", "64", "--lr", "0.02",
+                                      "--epochs", "2", "--device", device])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert f"device={device!r}" in capsys.readouterr().err
 
 
 def test_curve_variants_put_the_lr_on_the_noise_scale_curve(bench):

@@ -88,7 +88,7 @@ def _check_resumable(previous: dict[str, Any], now: dict[str, Any], path: Path) 
                          "rerun with the same settings, or pass another --out to start afresh.")
 
 
-def _device(device: str | torch.device) -> torch.device:
+def resolve_device(device: str | torch.device) -> torch.device:
     """``device`` as a torch.device that this machine has (``ValueError`` naming the fix otherwise)."""
     try:
         dev = torch.device(device)
@@ -108,7 +108,7 @@ def _device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def _on(data: Any, device: torch.device) -> Any:
+def on_device(data: Any, device: torch.device) -> Any:
     """A TensorDataset with its tensors on ``device`` (the same object when they are there already)."""
     if all(t.device == device for t in data.tensors):
         return data
@@ -187,14 +187,14 @@ def run_benchmark(
         raise ValueError(f"budget_s must be a positive number of seconds, got {budget_s!r}.")
     if not (isinstance(eval_every, (int, float)) and math.isfinite(eval_every) and eval_every > 0):
         raise ValueError(f"eval_every must be a positive number of epochs, got {eval_every!r}.")
-    dev = _device(device)
+    dev = resolve_device(device)
     out = Path(out_dir)
     show = Progress(progress)
     previous = _previous(out / "results.json") if resume else None
 
     show.note(f"batchpilot bench: building the {wl.name} data ...")
     t0 = time.perf_counter()
-    train, test = (_on(ds, dev) for ds in wl.build_data(wl.data_seed))
+    train, test = (on_device(ds, dev) for ds in wl.build_data(wl.data_seed))
     data_s = time.perf_counter() - t0
     n = len(train)
     lo, hi = min(wl.min_batch_size, n), min(wl.max_batch_size, n)
