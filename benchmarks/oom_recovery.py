@@ -18,6 +18,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -62,8 +63,16 @@ def _worker(rank: int, init_file: str, out_file: str, workload_name: str, batch:
             Path(out_file).write_text(json.dumps(times))
         gc.collect()  # the DDP models' reducers go before their process group
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    dist.destroy_process_group()
+    # gloo's worker thread may release the last collective's work (and a Python object it holds) while the
+    # interpreter finalises, which aborts the process ("terminate called without an active exception");
+    # the results are written, so leave without finalising.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main() -> None:

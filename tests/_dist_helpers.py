@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -63,14 +64,34 @@ def train(steps: int, rank: int, world_size: int, wrap_ddp: bool, micro: int | N
     return {"records": records, "weights": [p.detach().tolist() for p in module.parameters()], "noise": noise}
 
 
+def finish() -> None:
+    """Leave a worker after its results are written: every rank done, the group gone, no finalisation.
+
+    Now and then (5 runs in 90 of tests/_hf_ddp.py beside a busy process) a gloo worker aborted at exit with
+    "terminate called without an active exception" after writing its results. A core dump shows why: the
+    main thread is finalising the interpreter while a ProcessGroupGloo worker thread (the group object
+    outlives destroy_process_group when something still refers to it) drops its last collective's work,
+    whose thread-local state holds a Python object; the decref needs the GIL, which a finalising
+    interpreter refuses by exiting the thread, and the unwind through a noexcept destructor terminates
+    (pytorch/pytorch#179291 describes the same). ``os._exit(0)`` skips the finalisation."""
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def worker(rank: int, world_size: int, init_file: str, out_dir: str, steps: int, wrap_ddp: bool, micro,
            amp: str | None = None) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         result = train(steps, rank, world_size, wrap_ddp, micro, amp)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    finish()
 
 
 def run_reference(steps: int, micro) -> dict:
@@ -87,8 +108,6 @@ def noise_worker(rank: int, world_size: int, init_file: str, out_dir: str, micro
     """Measure the gradient noise scale of a least-squares problem (weights frozen), with or without DDP
     (``own_hook``: the user registered a DDP communication hook before batchpilot could)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    import sys
 
     sys.path.insert(0, str(Path(__file__).parent))
     from test_engine_stats import least_squares
@@ -110,10 +129,10 @@ def noise_worker(rank: int, world_size: int, init_file: str, out_dir: str, micro
         out.update(true_g2=true_g2, true_tr=true_tr, accumulation=sorted(accumulation))
         Path(out_dir, f"noise{rank}.json").write_text(json.dumps(out))
         del pilot, ddp, model  # the DDP model goes before its process group (see oom_worker)
-        gc.collect()
-        dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    finish()
 
 
 class _CountRows(torch.nn.Module):
@@ -171,10 +190,53 @@ def oom_worker(rank: int, world_size: int, init_file: str, out_dir: str, wrap_dd
             "noise": {k: v for k, v in pilot.last_record.items() if k.startswith("stats/")},
         }
         Path(out_dir, f"oom{rank}.json").write_text(json.dumps(result))
-        # Release the DDP model (its reducer holds the process group) before the group goes: once in ~20
-        # runs a worker aborted at exit ("terminate called without an active exception") otherwise.
-        del pilot, net, model
-        gc.collect()
-        dist.barrier()
-    finally:
+        del pilot, net, model  # the DDP model (its reducer holds the process group) goes first
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    finish()
+
+
+def compile_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    """Train the same 40 steps with eager DDP, ``torch.compile(DDP(model))`` and ``DDP(torch.compile(model))``
+    (backend ``aot_eager``); count DDP's gradient all-reduces with a communication hook."""
+    import torch._dynamo
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        results = {}
+        for mode in ("eager", "compile(ddp)", "ddp(compile)"):
+            torch._dynamo.reset()
+            model = make_model()
+            inner = torch.compile(model, backend="aot_eager") if mode == "ddp(compile)" else model
+            ddp = torch.nn.parallel.DistributedDataParallel(inner)
+            net = torch.compile(ddp, backend="aot_eager") if mode == "compile(ddp)" else ddp
+            calls = [0]
+
+            def hook(state, bucket, calls=calls):  # type: ignore[no-untyped-def]
+                calls[0] += 1
+                return allreduce_hook(state, bucket)
+
+            ddp.register_comm_hook(None, hook)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            pilot = batchpilot.Pilot(net, opt, make_data(), batch_size=4, max_micro_batch_size=4, seed=5,
+                                     controller=SizeList(SIZES) if rank == 0 else SizeList([0]), lr_rule="linear",
+                                     base_batch_size=4, noise_every=2)
+            micro = 0
+            for x, y in pilot.batches(max_steps=40):
+                micro += 1
+                pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+            results[mode] = {
+                "weights": [p.detach().tolist() for p in model.parameters()],
+                "allreduces": calls[0], "micro_batches": micro,
+                "keys": list(pilot.state_dict()["model"]),
+                "noise": {k: v for k, v in pilot.last_record.items() if k.startswith("stats/")},
+            }
+            del pilot, net, ddp, inner, model, opt
+            gc.collect()
+        Path(out_dir, f"compile{rank}.json").write_text(json.dumps(results))
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    finish()

@@ -1,13 +1,14 @@
 """Run AdaptiveBatchSizeTrainer under torchrun (gloo on CPU) and write what each rank did.
 
     torchrun --standalone --nproc-per-node 2 [--max-restarts 1] tests/_hf_ddp.py OUT_DIR [--workers N]
-        [--save-steps K] [--fail-at-step S] [--noise]
+        [--save-steps K] [--fail-at-step S] [--noise] [--compile]
 
 Writes OUT_DIR/rank<r>.json: per step of this attempt the global size and this rank's sample ids (ghost
 micro-batches excluded), and the final weights. ``--fail-at-step S`` makes rank 1 exit after step S of the
 first attempt; every attempt resumes from the newest checkpoint in OUT_DIR/ckpt if there is one.
 ``--noise`` measures the noise scale on every step and also writes each forward's sample ids and what rank
-0's controller saw.
+0's controller saw. ``--compile`` trains a ``torch.compile``d model (TrainingArguments' torch_compile,
+backend aot_eager).
 Set BATCHPILOT_INIT_TORCHRUN=1 to create the process group with batchpilot's init_torchrun (safe across
 torchrun restarts with gloo) before accelerate. Used by tests/test_hf.py.
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch
+from _dist_helpers import finish
 from _hf_common import PointSet, Recorder, SizeList, StatsSpy
 from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
@@ -44,6 +45,7 @@ def main() -> None:
     parser.add_argument("--save-steps", type=int, default=0)
     parser.add_argument("--epochs", type=float, default=2)
     parser.add_argument("--noise", action="store_true", help="measure the noise scale on every step")
+    parser.add_argument("--compile", action="store_true", help="torch_compile=True (backend aot_eager)")
     opts = parser.parse_args()
     if os.environ.get("BATCHPILOT_INIT_TORCHRUN"):
         from batchpilot.distributed import init_torchrun
@@ -56,6 +58,7 @@ def main() -> None:
         save_strategy="steps" if opts.save_steps else "no", save_steps=opts.save_steps or 500,
         dataloader_num_workers=opts.workers, learning_rate=0.1, optim="sgd", lr_scheduler_type="constant",
         weight_decay=0.0, max_grad_norm=0.0, seed=3, ddp_find_unused_parameters=False,
+        **(dict(torch_compile=True, torch_compile_backend="aot_eager") if opts.compile else {}),
     )
     if opts.noise:
         controller = StatsSpy(NOISE_SIZES)
@@ -90,13 +93,11 @@ def main() -> None:
         "resumed_from": resume,
         "micro": model.seen,  # sample ids of every training forward (micro-batch), in order
         "stats": getattr(controller, "seen_stats", None),  # what rank 0's controller saw (--noise)
+        "wrapped": type(trainer.model_wrapped).__name__,
     }
     Path(opts.out).mkdir(parents=True, exist_ok=True)
     Path(opts.out, f"rank{rank}.json").write_text(json.dumps(out))
-    # Tear the gloo group down before the interpreter exits; left to exit-time destructors it sometimes
-    # aborts ("terminate called without an active exception").
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    finish()  # barrier, destroy the group, exit without finalising (see _dist_helpers.finish)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from torch.utils.data import TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _dist_helpers import finish
 from _hf_common import SizeList, StatsSpy
 
 from batchpilot.integrations.lightning import AdaptiveBatchSize
@@ -123,9 +124,8 @@ def main() -> None:
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
-    if torch.distributed.is_initialized():  # an explicit teardown: exit-time destructors may abort
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    if torch.distributed.is_initialized():
+        finish()  # barrier, destroy the group, exit without finalising (see _dist_helpers.finish)
 
 
 if __name__ == "__main__":

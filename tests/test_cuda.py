@@ -3,7 +3,8 @@
 Run them where a device is available with ``python -m pytest -q tests/test_cuda.py tests/test_engine_stats.py
 -k cuda``. They check what CPU tests cannot: asynchronous kernels timed by CUDA events (the throughput model
 that ``Goodput`` reads), a dataset already on the GPU, fp16 with a real GradScaler, Lightning's own
-GradScaler under ``precision="16-mixed"``, and recovery from a real CUDA out-of-memory error.
+GradScaler under ``precision="16-mixed"``, accelerate's under the HF Trainer's ``fp16=True`` (with
+``torch_compile``), and recovery from a real CUDA out-of-memory error.
 """
 
 from __future__ import annotations
@@ -113,3 +114,50 @@ def test_the_bench_runs_on_the_gpu(tmp_path):
     assert results["config"]["device"].startswith("cuda:") and results["config"]["device_name"]
     assert all(r["time_to_target_s"] is not None for r in results["runs"])
     assert all(b > 0 for b in results["calibration"]["step_s"])
+
+
+def test_hf_fp16_statistics_and_a_compiled_model_on_the_gpu(tmp_path):
+    # accelerate's real fp16 path: a GradScaler scales .grad until clip_grad_norm_ unscales it. The
+    # statistics divide the scale out, so the fp16 estimate is the fp32 one's size, not 2**32 times it.
+    pytest.importorskip("transformers")
+    from transformers import TrainingArguments
+
+    from batchpilot.integrations.hf import AdaptiveBatchSizeTrainer
+
+    class Points(torch.utils.data.Dataset):
+        def __init__(self):
+            g = torch.Generator().manual_seed(0)
+            self.x = torch.randn(512, 64, generator=g)
+            self.y = (self.x[:, 0] > 0).long()
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return {"x": self.x[i], "labels": self.y[i]}
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 2))
+
+        def forward(self, x, labels):
+            return {"loss": torch.nn.functional.cross_entropy(self.net(x).float(), labels)}
+
+    def train(**precision):
+        trainer = AdaptiveBatchSizeTrainer(
+            batch_size_scheduler=lambda step, size: 32, model=Net(), train_dataset=Points(), noise_every=1,
+            args=TrainingArguments(output_dir=str(tmp_path / str(precision)), per_device_train_batch_size=8,
+                                   gradient_accumulation_steps=2, num_train_epochs=1, report_to=[],
+                                   save_strategy="no", disable_tqdm=True, learning_rate=1e-3, **precision),
+        )
+        trainer.train()
+        return trainer
+
+    fp32 = train()
+    fp16 = train(fp16=True, torch_compile=True)
+    assert fp16.accelerator.scaler is not None and type(fp16.model_wrapped).__name__ == "OptimizedModule"
+    s16, s32 = fp16.batchpilot.stats.stats, fp32.batchpilot.stats.stats
+    for key in ("stats/trace_cov", "stats/grad_sq_norm"):
+        assert math.isfinite(s16[key]) and 0.5 < s16[key] / s32[key] < 2.0, key

@@ -114,6 +114,23 @@ def test_noise_scale_over_two_ranks_matches_the_closed_form(tmp_path, micro, wra
     assert r0["stats/trace_cov"] == pytest.approx(r0["true_tr"], rel=0.1)
 
 
+def test_compiled_ddp_models_sync_once_per_step_and_train_as_eager_ddp(tmp_path):
+    # torch.compile(DDP(model)) hides DDP inside the compiled wrapper: the engine must still find it, run
+    # the accumulating micro-batches under its no_sync and leave the reduction to it (one all-reduce per
+    # step, as eager DDP), and checkpoint the bare module.
+    mp.spawn(h.compile_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"compile{r}.json").read_text()) for r in range(2))
+    eager = r0["eager"]
+    assert eager["allreduces"] < eager["micro_batches"]  # micro-batches of 4: most steps accumulate
+    for mode in ("compile(ddp)", "ddp(compile)"):
+        run = r0[mode]
+        assert run["micro_batches"] == eager["micro_batches"]
+        assert run["allreduces"] == eager["allreduces"], mode
+        assert run["weights"] == r1[mode]["weights"] == eager["weights"], mode
+        assert run["noise"] == eager["noise"] and "stats/trace_cov" in run["noise"]
+        assert run["keys"] == eager["keys"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
 def spawn_oom(tmp_path: Path, wrap_ddp: bool, limit0, micro, recovery: bool) -> list[dict]:
     tmp_path.mkdir()
     mp.spawn(h.oom_worker, args=(2, str(tmp_path / "init"), str(tmp_path), wrap_ddp, limit0, micro, recovery),

@@ -317,6 +317,37 @@ def test_noise_scale_comes_from_the_micro_batches_exactly(tmp_path):
     assert "perf/micro_time_b_s" in spy.seen_stats[-1] and spy.seen_stats[-1]["perf/accumulation_steps"] == 3
 
 
+def test_fp16_grad_scaler_changes_nothing_but_the_scaling(tmp_path, monkeypatch):
+    """With fp16 on a GPU, accelerate scales the loss with a GradScaler, so .grad holds scaled gradients until
+    its clip_grad_norm_ unscales them; the statistics must divide the scale out. accelerate makes no scaler on
+    CPU, so this puts its accelerator in the state fp16 on a GPU gives it (native AMP, mixed precision
+    "fp16", a real torch.amp.GradScaler at 2**16; tests/test_cuda.py runs the real thing): with a float64
+    model autocast casts nothing, powers of two are exact, and the run must equal the unscaled one bit for
+    bit. (accelerate's state is shared by every Accelerator: monkeypatch restores it.)"""
+    def run(scaled: bool):
+        data, model, spy = PointSet(64), Recorder(), StatsSpy([12, 9, 15, 6])
+        trainer = AdaptiveBatchSizeTrainer(
+            batch_size_scheduler=spy, model=model, train_dataset=data, noise_every=1,
+            args=quiet_args(tmp_path / str(scaled), per_device_train_batch_size=4, gradient_accumulation_steps=3,
+                            num_train_epochs=1, **exact_sgd()),
+        )
+        if scaled:
+            accelerator = trainer.accelerator
+            monkeypatch.setattr(accelerator.state, "_mixed_precision", "fp16")
+            monkeypatch.setattr(accelerator, "native_amp", True)
+            monkeypatch.setattr(accelerator, "scaler", torch.amp.GradScaler("cpu"))  # prepare() hands it on
+        trainer.train()
+        if scaled:
+            assert trainer.accelerator.scaler.get_scale() == 2.0**16  # used, never overflowed
+        stats = [{k: v for k, v in seen.items() if k.startswith(("stats/", "grad/"))} for seen in spy.seen_stats]
+        return stats, [p.detach() for p in model.parameters()]
+
+    plain_stats, plain_weights = run(False)
+    scaled_stats, scaled_weights = run(True)
+    assert scaled_stats == plain_stats and {"stats/trace_cov", "grad/norm"} <= set(scaled_stats[-1])
+    assert all(torch.equal(a, b) for a, b in zip(scaled_weights, plain_weights))
+
+
 def test_noise_scale_controller_trains_logs_and_resumes(tmp_path):
     """NoiseScale in the Trainer (default period: every 16th step): it decides from measured statistics, the
     log carries noise_scale, and the estimator's state is in each checkpoint."""
@@ -495,11 +526,14 @@ def test_torchrun_two_ranks_match_a_single_process_reference(tmp_path):
 
 
 @pytest.mark.distributed
-def test_torchrun_noise_scale_from_the_ranks_and_micro_batches(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_torchrun_noise_scale_from_the_ranks_and_micro_batches(tmp_path, compiled):
     """2 gloo ranks x 2 micro-batches, every step measured: the four micro-batches of a step are the small
     batches (each rank's last one read inside DDP's all-reduce by the communication hook), the step the big
-    one; what rank 0's controller saw equals the estimate computed by hand along a plain SGD replay."""
-    ranks = torchrun(tmp_path / "noise", "--noise")
+    one; what rank 0's controller saw equals the estimate computed by hand along a plain SGD replay. With
+    ``torch_compile`` accelerate wraps the DDP model in a compiled module, where the hook must still go."""
+    ranks = torchrun(tmp_path / "noise", "--noise", *(["--compile"] if compiled else []))
+    assert ranks[0]["wrapped"] == ("OptimizedModule" if compiled else "DistributedDataParallel")
     data, steps = PointSet(64), ranks[0]["steps"]
     assert ranks[0]["weights"] == ranks[1]["weights"]
     micro = [[ids for r in ranks for ids in r["micro"][2 * k:2 * k + 2]] for k in range(len(steps))]  # 2 per rank

@@ -212,6 +212,38 @@ def test_noise_scale_comes_from_the_micro_batches_exactly(tmp_path):
     assert fresh.stats.probe.estimator.count == measured + sum(len(s["ids"]) > 1 for s in more.steps)
 
 
+class CompilableModel(Model):
+    """``Model`` without the bookkeeping: a training_step dynamo can trace (Lightning's ``self.log`` cannot)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y, _ = batch
+        return self.adaptive.weight(torch.nn.functional.cross_entropy(self.net(x), y))
+
+
+@pytest.mark.parametrize("compiled", ["lightning_module", "net"])
+def test_a_compiled_model_trains_as_eager(tmp_path, compiled):
+    # Given a compiled LightningModule, Lightning compiles training_step, which calls the callback: what it
+    # reads there (weights, sizes) must stay out of the graph. aot_eager: bit-identical to eager.
+    import torch._dynamo
+
+    def fit(compile_what):
+        torch._dynamo.reset()
+        adaptive = AdaptiveBatchSize(SizeList(SIZES), batch_size=4)
+        model = CompilableModel(adaptive, make_data(), val=False)
+        net = model.net
+        if compile_what == "net":
+            model.net = torch.compile(model.net, backend="aot_eager")
+        module = torch.compile(model, backend="aot_eager") if compile_what == "lightning_module" else model
+        trainer(tmp_path, adaptive, accumulate_grad_batches=2).fit(module)
+        return [p.detach() for p in net.parameters()], adaptive.samples_seen
+
+    eager, seen = fit(None)
+    weights, compiled_seen = fit(compiled)
+    torch._dynamo.reset()
+    assert compiled_seen == seen == 2 * NUM_SAMPLES
+    assert all(torch.equal(a, b) for a, b in zip(weights, eager))
+
+
 def test_fp16_grad_scaler_keeps_the_statistics_exact(tmp_path):
     # Lightning makes no GradScaler on CPU by default; given one, .grad holds scaled gradients (autocast
     # leaves the float64 net alone, so only the scaling differs) and the statistics must undo the scale.

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from . import distributed as bpdist
+from ._wrappers import unwrap
 from ._validation import check_batch_size, check_bounds, check_choice, check_positive_int, collect_problems
 from .checkpoint import (
     CheckpointError,
@@ -64,7 +64,8 @@ class Pilot:
     """Adaptive global batch size for a user-written PyTorch training loop.
 
     Args:
-        model: The model (optionally wrapped in ``DistributedDataParallel``).
+        model: The model, optionally wrapped in ``DistributedDataParallel`` and/or ``torch.compile`` (in
+            either order; checkpoints hold the bare module's weights).
         optimizer: Its optimizer.
         dataset: A map-style dataset with ``__len__``.
         batch_size: Global batch size of the first step.
@@ -199,7 +200,9 @@ class Pilot:
                 f"world_size={self.world_size} but torch.distributed is not initialised; call "
                 "torch.distributed.init_process_group first (torchrun sets it up), or use world_size=1."
             )
-        self._ddp = isinstance(model, DistributedDataParallel)
+        # The bare module (what checkpoints hold) and the DDP wrapper, through torch.compile in any order.
+        self._module, self._ddp_model = unwrap(model)
+        self._ddp = self._ddp_model is not None
         self.oom_recovery = oom_recovery
         # Who sums the gradients over ranks: DDP inside the last backward, or the engine at the step's end
         # (without DDP, and under OOM recovery, where the ranks must agree on a replay before any reduction).
@@ -210,7 +213,7 @@ class Pilot:
             # broadcasts the buffers in a forward that follows a synced one, and starts as if one had run.
             # A rank that fails inside a forward would leave the ranks' collectives out of step; the engine
             # broadcasts the buffers itself at each step's end instead.
-            model.require_forward_param_sync = False
+            self._ddp_model.require_forward_param_sync = False
         self._params = [p for p in model.parameters() if p.requires_grad]
         if not self._params:
             raise ValueError("the model has no parameter with requires_grad=True: there is nothing to train.")
@@ -264,7 +267,8 @@ class Pilot:
         self._noise = GradientNoiseProbe(
             self._params, every=noise_every, ranks_are_small_batches=self._engine_reduces
         ) if noise_every else None
-        if self._noise is not None and self._ddp_syncs and self.world_size > 1 and not self._noise.attach_ddp(model):
+        if (self._noise is not None and self._ddp_syncs and self.world_size > 1
+                and not self._noise.attach_ddp(self._ddp_model)):
             logger.info("the DDP model already has a communication hook: measured steps are split in two "
                         "to measure the gradient noise scale (see docs/statistics.md)")
         self._meter = StepMeter(system_every=system_every, device=self.device)
@@ -404,7 +408,7 @@ class Pilot:
         else:
             with contextlib.ExitStack() as stack:
                 if self._ddp and not (micro.is_last and self._ddp_syncs):
-                    stack.enter_context(self.model.no_sync())  # type: ignore[operator]
+                    stack.enter_context(self._ddp_model.no_sync())  # type: ignore[union-attr]
                 if self.amp is not None:
                     dtype = torch.bfloat16 if self.amp == "bf16" else torch.float16
                     stack.enter_context(torch.autocast(self.device.type, dtype=dtype))
@@ -537,8 +541,8 @@ class Pilot:
         size = micro.global_size
         if self._engine_reduces:
             bpdist.all_reduce_gradients(self._params)
-            if self._ddp and self.model.broadcast_buffers:  # type: ignore[union-attr]
-                bpdist.broadcast_buffers(self.model.module)  # what DDP does before a synced forward
+            if self._ddp and self._ddp_model.broadcast_buffers:  # type: ignore[union-attr]
+                bpdist.broadcast_buffers(self._module)  # what DDP does before a synced forward
         loss_sum = sum(value * weight for value, (_, weight) in
                        zip(read_scalars([loss for loss, _ in self._micro_losses]), self._micro_losses))
         self._micro_losses.clear()
@@ -729,7 +733,7 @@ class Pilot:
     def _components(self) -> dict[str, Any]:
         """The stateful parts, by checkpoint key (``None`` where a feature is off)."""
         return {
-            "model": self.model.module if self._ddp else self.model,
+            "model": self._module,  # without DDP / torch.compile wrappers
             "optimizer": self.optimizer,
             "scaler": self.scaler,
             "coupling": self.coupling,

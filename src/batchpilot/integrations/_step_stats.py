@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .. import distributed as bpdist
+from .._wrappers import unwrap
 from ..measure import DEFAULT_NOISE_EVERY, GradientNoiseProbe, StepMeter
 
 logger = logging.getLogger("batchpilot")
@@ -66,9 +67,10 @@ class StepStats:
 
     def attach(self, wrapped_model: Any) -> None:
         """Under DDP, read the last micro-batch's local gradient in DDP's all-reduce (once per run)."""
-        if self._hooked or self.world_size == 1 or not isinstance(wrapped_model, torch.nn.parallel.DistributedDataParallel):
+        _, ddp = unwrap(wrapped_model)  # also inside a torch.compile wrapper
+        if self._hooked or self.world_size == 1 or ddp is None:
             return
-        self._hooked = self.probe.attach_ddp(wrapped_model)
+        self._hooked = self.probe.attach_ddp(ddp)
         if not self._hooked:
             logger.warning("the DDP model already has a communication hook: the last micro-batch of each rank is "
                            "not measured, so the noise scale rests on the other micro-batches (see docs/statistics.md)")

@@ -46,6 +46,11 @@ from ._step_stats import StepStats, check_measurable
 
 __all__ = ["AdaptiveBatchSize", "AdaptiveLoader"]
 
+# What a training_step reads from the callback runs outside torch.compile: Lightning compiles training_step
+# when given a compiled LightningModule, and dynamo would specialise on (or fail to trace) the sizes and
+# weights, which change from one micro-batch to the next. Called from compiled code, these graph-break.
+_eager = torch.compiler.disable
+
 
 class AdaptiveLoader:
     """The training loader :meth:`AdaptiveBatchSize.dataloader` returns (an iterable, not a DataLoader).
@@ -194,17 +199,20 @@ class AdaptiveBatchSize(Callback):
 
     # ------------------------------------------------------------------ what the training step may read
     @property
+    @_eager
     def batch_size(self) -> int:
         """Global batch size of the next optimizer step."""
         built = self._loader is not None and self._loader._loader is not None
         return self._loader.loader.batch_size if built else self.initial_batch_size
 
     @property
+    @_eager
     def micro_batch(self) -> MicroBatch | None:
         """The micro-batch being trained (indices, sizes, ghost flag), or ``None`` outside training."""
         return None if self._loader is None else self._loader.current
 
     @property
+    @_eager
     def local_batch_size(self) -> int:
         """Samples of this rank in the current micro-batch (0 for a ghost): the ``batch_size=`` for
         ``self.log`` so epoch-level means weight every sample once."""
@@ -212,6 +220,7 @@ class AdaptiveBatchSize(Callback):
         return 0 if micro is None else micro.size
 
     @property
+    @_eager
     def loss_weight(self) -> float:
         """The factor :meth:`weight` multiplies by: ``n * world_size * accumulate_grad_batches / B``
         (Lightning divides by the accumulation, DDP averages over ranks); 0 for a ghost micro-batch."""
@@ -221,6 +230,7 @@ class AdaptiveBatchSize(Callback):
         _, world, accumulation = self._placement()
         return micro.size * world * accumulation / micro.global_size
 
+    @_eager
     def weight(self, loss: torch.Tensor) -> torch.Tensor:
         """Return ``loss * loss_weight`` from ``training_step`` to make each optimizer step's gradient the
         mean over its global batch, whatever the split; ``loss`` is the micro-batch's mean loss (also what
@@ -232,6 +242,7 @@ class AdaptiveBatchSize(Callback):
         return loss * self.loss_weight
 
     @property
+    @_eager
     def samples_seen(self) -> int:
         """Samples of completed optimizer steps, over all ranks."""
         return self.driver.samples_seen

@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from .._wrappers import unwrap
+
 __all__ = ["PerSampleGradError", "micro_batch_grad_variance", "per_sample_grad_variance"]
 
 
@@ -59,7 +61,7 @@ def per_sample_grad_variance(
     ``mean |g_i|^2 - |g_mean|^2``.
 
     Args:
-        model: The model (a DDP wrapper is unwrapped). Its current train/eval mode is used.
+        model: The model (DDP and ``torch.compile`` wrappers are unwrapped). Its current train/eval mode is used.
         loss_fn: ``loss_fn(outputs, targets) -> scalar``, the mean (or sum) loss of a batch; it is called on
             batches of one sample.
         inputs: Batched input tensor, or a tuple of them (positional arguments of ``model``), with the
@@ -79,8 +81,7 @@ def per_sample_grad_variance(
         PerSampleGradError: BatchNorm in train mode (samples are coupled, per-sample gradients are not
             defined), or ``torch.func`` failed on the model; the message names the fallback.
     """
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        model = model.module
+    model, _ = unwrap(model)  # the bare module: torch.func runs it eagerly
     xs = inputs if isinstance(inputs, tuple) else (inputs,)
     n = int(xs[0].shape[0])
     if n < 2:
