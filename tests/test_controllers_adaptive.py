@@ -528,7 +528,10 @@ def test_goodput_counts_a_fixed_accumulation_in_the_step_time():
 
     assert step_time(64, 0.01, 0.001, 0.002, world_size=2, fixed_accum=4) == pytest.approx(0.002 + 4 * (0.01 + 0.001 * 8))
     assert step_time(64, 0.01, 0.001, 0.002, world_size=2) == pytest.approx(0.002 + 0.01 + 0.001 * 32)
-    assert step_time(64, 0.01, 0.001, max_micro=8, fixed_accum=2) == pytest.approx(2 * (0.01 + 0.001 * 32))
+    # Both (the HF trainer with max_micro_batch_size): 2 micro-batches of 32, each run as 4 passes of 8.
+    assert step_time(64, 0.01, 0.001, max_micro=8, fixed_accum=2) == pytest.approx(8 * (0.01 + 0.001 * 8))
+    assert step_time(60, 0.01, 0.001, max_micro=8, fixed_accum=2) == pytest.approx(8 * (0.01 + 0.001 * 8))
+    assert step_time(64, 0.01, 0.001, max_micro=40, fixed_accum=2) == pytest.approx(2 * (0.01 + 0.001 * 32))
     good = Goodput(32, 4096, interval=50)
     stats = {"stats/noise_scale": 500.0, "stats/noise_count": 10, "perf/micro_time_a_s": 0.01,
              "perf/micro_time_b_s": 0.001, "perf/accumulation_steps": 4.0}

@@ -208,6 +208,72 @@ def test_a_loss_normalised_by_num_items_keeps_trainers_item_counting(tmp_path):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
 
 
+# --------------------------------------------------------------------------------------------- memory bound
+@pytest.mark.parametrize("loss", ["mean", "num_items"])
+def test_max_micro_batch_size_cuts_micro_batches_and_keeps_the_gradient_exact(tmp_path, loss):
+    """Micro-batches of up to 7 rows (3 accumulation steps, sizes up to 20) run as passes of at most 2 rows;
+    the weights are still those of full-batch SGD, with a mean loss (each pass weighted by its rows) and with
+    a loss normalised by num_items_in_batch (the passes add up by themselves)."""
+    data, model = PointSet(61), Recorder()
+
+    def summed_loss(outputs, labels, num_items_in_batch):
+        return torch.nn.functional.cross_entropy(outputs["logits"], labels, reduction="sum") / num_items_in_batch
+
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=SizeList(SIZES), model=model, train_dataset=data, max_micro_batch_size=2,
+        args=quiet_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=3, num_train_epochs=2,
+                        **exact_sgd()),
+        **({"compute_loss_func": summed_loss} if loss == "num_items" else {}),
+    )
+    steps = record_steps(trainer)
+    trainer.train()
+    assert max(len(ids) for ids in model.seen) == 2  # every forward: at most 2 rows ...
+    assert len(model.seen) > 3 * len(steps)  # ... so micro-batches were cut into several passes
+    reference, losses = sgd_reference(data, [s.indices for s in steps])
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+    assert list(trainer.batchpilot.driver.losses) == pytest.approx(losses, rel=1e-12)
+
+
+def test_max_micro_batch_size_leaves_the_statistics_and_tells_goodput(tmp_path):
+    """The noise scale still takes Trainer's micro-batches as its small batches (the passes only split their
+    work); the throughput model times each pass, and Goodput learns the bound."""
+    def run(cap):
+        spy = StatsSpy([12, 9, 15, 6])
+        trainer = AdaptiveBatchSizeTrainer(
+            batch_size_scheduler=spy, model=Recorder(), train_dataset=PointSet(64), noise_every=1,
+            max_micro_batch_size=cap,
+            args=quiet_args(tmp_path / str(cap), per_device_train_batch_size=4, gradient_accumulation_steps=3,
+                            num_train_epochs=1, **exact_sgd()),
+        )
+        trainer.train()
+        return spy.seen_stats
+
+    whole, cut = run(None), run(2)
+    for a, b in zip(whole, cut):
+        for key in ("stats/noise_scale", "stats/grad_sq_norm", "stats/trace_cov"):
+            assert (key in a) == (key in b) and (key not in a or b[key] == pytest.approx(a[key], rel=1e-9)), key
+    assert "perf/max_micro_batch_size" not in whole[-1] and cut[-1]["perf/max_micro_batch_size"] == 2
+    assert cut[-1]["perf/micro_time_b_s"] >= 0 and cut[-1]["perf/accumulation_steps"] == 3
+    with pytest.raises(ValueError, match="max_micro_batch_size"):
+        AdaptiveBatchSizeTrainer(model=Recorder(), train_dataset=PointSet(8), args=quiet_args(tmp_path),
+                                 max_micro_batch_size=0)
+
+
+def test_split_rows_cuts_batch_first_tensors_evenly():
+    from batchpilot.integrations._hf_parts import split_rows
+
+    batch = {"x": torch.arange(10).view(5, 2), "labels": torch.arange(5), "scale": torch.tensor(2.0), "tag": "t"}
+    pieces = split_rows(batch, 2)
+    assert [n for _, n in pieces] == [2, 2, 1]
+    assert torch.equal(torch.cat([p["x"] for p, _ in pieces]), batch["x"])
+    assert all(p["scale"] is batch["scale"] and p["tag"] == "t" for p, _ in pieces)  # not batch-first: shared
+    assert [n for _, n in split_rows((torch.zeros(7, 3), torch.zeros(7)), 3)] == [3, 2, 2]
+    assert split_rows(batch, 5) == [(batch, 5)] and split_rows(batch, None) == [(batch, 5)]
+    with pytest.raises(TypeError, match="max_micro_batch_size=2"):
+        split_rows(torch.zeros(4, 2), 2)
+
+
 # --------------------------------------------------------------------------------------------- LR
 def test_lr_schedule_runs_on_samples_and_lr_coupling_scales_it(tmp_path):
     total, warmup_steps = 2 * 61, 2
@@ -540,6 +606,24 @@ def test_torchrun_noise_scale_from_the_ranks_and_micro_batches(tmp_path, compile
     assert [sum(map(len, m)) for m in micro] == [s["size"] for s in steps]
     reference = Recorder()
     check_noise_by_hand(micro, ranks[0]["stats"], reference, recorder_loss(reference, data))
+
+
+@pytest.mark.distributed
+def test_torchrun_max_micro_batch_size_keeps_gradients_and_statistics(tmp_path):
+    """2 gloo ranks, micro-batches of up to 4 rows run one row at a time: the passes but the last of each
+    step accumulate under no_sync (else DDP's hook would see each pass and the statistics would change),
+    and weights and statistics equal the uncut run's."""
+    whole = torchrun(tmp_path / "whole", "--noise")
+    cut = torchrun(tmp_path / "cut", "--noise", "--max-micro", "1")
+    assert max(len(ids) for r in whole for ids in r["micro"]) == 4
+    assert max(len(ids) for r in cut for ids in r["micro"]) == 1
+    assert [s["ids"] for s in cut[0]["steps"]] == [s["ids"] for s in whole[0]["steps"]]
+    for a, b in zip(whole[0]["stats"], cut[0]["stats"]):
+        for key in ("stats/noise_scale", "stats/grad_sq_norm", "stats/trace_cov"):
+            assert (key in a) == (key in b) and (key not in a or b[key] == pytest.approx(a[key], rel=1e-9)), key
+    assert cut[0]["weights"] == cut[1]["weights"]
+    for got, want in zip(cut[0]["weights"], whole[0]["weights"]):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-13)
 
 
 @pytest.mark.distributed

@@ -38,19 +38,19 @@ def step_time(
 ) -> float:
     """Predicted seconds of one optimizer step at global batch ``batch_size`` (the engine's throughput model).
 
-    Each of ``world_size`` ranks takes ``local = ceil(B / W)`` samples, split into
-    ``accum = ceil(local / max_micro)`` micro-batches of ``m = ceil(local / accum)`` samples (``accum = 1``
-    when ``max_micro`` is ``None``; ``accum = fixed_accum`` when the training loop runs a fixed number of
-    micro-batches per step, as Trainer's ``gradient_accumulation_steps``); a micro-batch costs ``a + b * m``
-    seconds, and the step ``overhead + accum * (a + b * m)``.
+    Each of ``world_size`` ranks takes ``local = ceil(B / W)`` samples. The training loop cuts them into
+    ``fixed_accum`` micro-batches (Trainer's ``gradient_accumulation_steps``; 1 when ``None``) of
+    ``ceil(local / fixed_accum)`` samples, and each of those into ``ceil(that / max_micro)`` passes (1 when
+    ``max_micro`` is ``None``): ``accum`` forward/backward passes of ``m`` samples in all (for ``Pilot``,
+    ``accum = ceil(local / max_micro)``, ``m = ceil(local / accum)``). A pass costs ``a + b * m`` seconds, and
+    the step ``overhead + accum * (a + b * m)``.
     """
     local = -(-batch_size // world_size)
-    if fixed_accum is not None:
-        accum = fixed_accum
-    else:
-        accum = 1 if max_micro is None else -(-local // max_micro)
-    micro = -(-local // accum)
-    return overhead + accum * (a + b * micro)
+    loop = fixed_accum or 1
+    per_loop = -(-local // loop)
+    passes = 1 if max_micro is None else -(-per_loop // max_micro)
+    micro = -(-per_loop // passes)
+    return overhead + loop * passes * (a + b * micro)
 
 
 class Goodput:
@@ -73,7 +73,7 @@ class Goodput:
     ``perf/micro_time_a_s`` and ``perf/micro_time_b_s`` (required), ``perf/step_overhead_s``
     (default 0), ``perf/max_micro_batch_size`` (default: no limit), ``dist/world_size`` (default 1) and
     ``perf/accumulation_steps`` (a fixed number of micro-batches per step, given by the HF and Lightning
-    integrations; default: as many as ``max_micro`` needs).
+    integrations, each then cut into passes of at most ``max_micro``; default: as many as ``max_micro`` needs).
     Negative fitted coefficients are taken as 0.
 
     At the first call of each new period of ``interval`` steps (not once per epoch, AdaptDL's limit) it

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +127,47 @@ def mask_labels(data: Any) -> Any:
     return data
 
 
+def split_rows(inputs: Any, max_rows: int | None) -> list[tuple[Any, int]]:
+    """``inputs`` (a dict or tuple of batch-first tensors) cut into chunks of at most ``max_rows`` rows, with
+    each chunk's row count. Rows split as evenly as possible (chunk sizes differ by at most one); values that
+    are not tensors with the batch's rows along dim 0 go to every chunk as they are. One chunk when
+    ``max_rows`` is ``None`` or the batch fits.
+
+    Raises:
+        TypeError: the batch must be cut but is neither a mapping nor a tuple/list of tensors.
+    """
+    if isinstance(inputs, Mapping):
+        values = list(inputs.values())
+    else:
+        values = list(inputs) if isinstance(inputs, (tuple, list)) else []
+    rows = next((int(v.shape[0]) for v in values if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+    if max_rows is None:
+        return [(inputs, rows or 0)]
+    if rows is None:
+        raise TypeError(
+            f"max_micro_batch_size={max_rows} cuts batches along their rows, which needs a dict or tuple of "
+            f"tensors (rows along dim 0); got a {type(inputs).__name__} without one. Use a collator that returns "
+            "a dict of tensors."
+        )
+    if rows <= max_rows:
+        return [(inputs, rows)]
+    chunks = -(-rows // max_rows)
+    sizes = [rows // chunks + (1 if i < rows % chunks else 0) for i in range(chunks)]
+
+    def cut(value: Any) -> list[Any]:
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
+            return list(torch.split(value, sizes))
+        return [value] * chunks
+
+    if isinstance(inputs, Mapping):
+        parts = {key: cut(value) for key, value in inputs.items()}
+        made = [{key: pieces[i] for key, pieces in parts.items()} for i in range(chunks)]
+    else:
+        pieces = [cut(value) for value in inputs]
+        made = [type(inputs)(p[i] for p in pieces) for i in range(chunks)]
+    return list(zip(made, sizes))
+
+
 def check_arguments(trainer: Any) -> None:
     """Reject Trainer settings the adaptive loop cannot honour, all at once."""
     args = trainer.args
@@ -134,7 +175,7 @@ def check_arguments(trainer: Any) -> None:
     if args.auto_find_batch_size:
         problems.append(
             "auto_find_batch_size=True restarts training with 0.9x the batch; the size is the scheduler's job "
-            "here: bound it with max_batch_size= and raise gradient_accumulation_steps to fit memory."
+            "here: bound it with max_batch_size= and fit memory with max_micro_batch_size=."
         )
     strategy = getattr(args, "train_sampling_strategy", "random")  # transformers >= 5.x
     if strategy not in ("random", "sequential"):

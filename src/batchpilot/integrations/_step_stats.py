@@ -48,6 +48,8 @@ class StepStats:
         params: The model's trainable parameters.
         world_size: Data-parallel ranks.
         accumulation_steps: Micro-batches per step on each rank.
+        max_micro_batch_size: Most samples per forward/backward when the loop cuts its micro-batches (the
+            HF trainer's ``max_micro_batch_size``), reported to ``Goodput``; ``None``: not cut.
         every: Measure the noise scale on every ``every``-th step (``None``: ``DEFAULT_NOISE_EVERY``).
 
     Raises:
@@ -55,9 +57,10 @@ class StepStats:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], *, world_size: int, accumulation_steps: int,
-                 every: int | None = None) -> None:
+                 every: int | None = None, max_micro_batch_size: int | None = None) -> None:
         check_measurable(world_size, accumulation_steps)
         self.world_size, self.accumulation_steps = world_size, accumulation_steps
+        self.max_micro_batch_size = max_micro_batch_size
         self.probe = GradientNoiseProbe(params, every=every or DEFAULT_NOISE_EVERY)  # never asked to split a step
         self.meter = StepMeter(device=params[0].device if params else None)  # CUDA: micro-batches timed by events
         self._hooked = False
@@ -82,17 +85,20 @@ class StepStats:
         self.probe.begin_step(step)
 
     def begin_micro(self) -> None:
+        """A forward/backward starts (timed for the throughput model)."""
         self.meter.begin_micro()
 
+    def end_micro(self, size: int) -> None:
+        """That forward/backward of ``size`` samples returned (not called for ghost micro-batches)."""
+        self.meter.end_micro(size)
+
     def after_micro(self, size: int, last: bool, to_mean: float, scaler: Any = None) -> None:
-        """A micro-batch of ``size`` samples (0: a ghost) finished its backward; ``last``: the step's last on
-        this rank. ``to_mean``: the factor between its ``.grad`` increment and its mean gradient (its loss
-        weight); ``scaler``: the fp16 GradScaler whose scale ``.grad`` also holds, if any (read only on
-        measured steps: ``get_scale()`` synchronises with the GPU)."""
+        """A micro-batch of ``size`` samples (0: a ghost) finished its backward (in one or several timed
+        pieces); ``last``: the step's last on this rank. ``to_mean``: the factor between its ``.grad``
+        increment and its mean gradient (its loss weight); ``scaler``: the fp16 GradScaler whose scale
+        ``.grad`` also holds, if any (read only on measured steps: ``get_scale()`` synchronises with the GPU)."""
         if scaler is not None and self.probe.measuring:
             to_mean *= float(scaler.get_scale())
-        if size:
-            self.meter.end_micro(size)
         # Under DDP the last backward already averaged .grad over ranks: its local increment is the one the
         # communication hook saw (none without the hook, and then this micro-batch is left out).
         self.probe.after_backward(size, to_mean, synced=self.world_size > 1 and last)
@@ -116,6 +122,8 @@ class StepStats:
         metrics = self.meter.end_step(step, float("nan") if loss is None else loss, seconds, False)
         self._stats = {**metrics, **self.probe.values(), "dist/world_size": float(self.world_size),
                        "perf/accumulation_steps": float(self.accumulation_steps)}
+        if self.max_micro_batch_size is not None:  # each micro-batch runs in pieces of at most this many
+            self._stats["perf/max_micro_batch_size"] = float(self.max_micro_batch_size)
         return self._stats
 
     @property

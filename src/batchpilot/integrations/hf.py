@@ -24,6 +24,8 @@ How it fits the Trainer (transformers 5.x, accelerate 1.x):
   training ends after ``num_train_epochs`` passes (or ``max_steps`` steps).
 - Loss: each micro-batch's mean loss is weighted by its share of the global batch, so the step's gradient
   is the mean over the B samples whatever the split.
+- Memory: with ``max_micro_batch_size`` a micro-batch with more rows runs as several forward/backward passes
+  inside ``training_step`` (all but the last under DDP's ``no_sync``), each weighted by its rows.
 - LR: with ``max_steps=-1`` the schedule runs on samples (``num_train_epochs * len(train_dataset)`` long,
   ``warmup_steps`` counted in first-step batches); optional LR coupling ``lr_rule="sqrt"`` etc.
 - Logs: ``train_coverage``, a coverage-based ``epoch``, ``batch_size`` and ``samples_seen``.
@@ -32,6 +34,7 @@ How it fits the Trainer (transformers 5.x, accelerate 1.x):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -68,6 +71,7 @@ from ._hf_parts import (
     is_hf_dataset,
     mask_labels,
     read_state,
+    split_rows,
     write_state,
 )
 from ._hf_run import HFRun, StepRecord
@@ -97,6 +101,11 @@ class AdaptiveBatchSizeTrainer(Trainer):
             ``VarianceRule``, ``ThresholdRules``), else never. The small batches are the micro-batches of a
             step and the ranks (no extra computation), so one process needs ``gradient_accumulation_steps
             >= 2``; the statistics reach the scheduler in ``Observation.stats`` (``stats/*``, ``perf/*``).
+        max_micro_batch_size: Most rows per forward/backward on a device. A micro-batch (``size / (world_size x
+            gradient_accumulation_steps)`` rows, growing with the batch) with more rows runs as several
+            passes of at most this many, accumulated without DDP communication, so memory stays bounded
+            while the scheduler grows the batch. Needs batches that are dicts or tuples of batch-first
+            tensors. Exact for a loss that is a mean over samples or normalised by ``num_items_in_batch``.
 
     Attributes:
         batchpilot: The :class:`HFRun` of the current (or last) ``train()`` call: ``batch_size`` (next
@@ -120,6 +129,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
         lr_rule: str | Callable[[float], float] = "none",
         lr_knee: int = 4096,
         noise_every: int | None = None,
+        max_micro_batch_size: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -133,6 +143,9 @@ class AdaptiveBatchSizeTrainer(Trainer):
         driver = self._new_driver(num_samples=1)  # validate the settings now, not at train() time
         if noise_every is not None:
             check_positive_int(noise_every, "noise_every")
+        if max_micro_batch_size is not None:
+            check_positive_int(max_micro_batch_size, "max_micro_batch_size")
+        self._bp_max_micro = max_micro_batch_size
         self._bp_noise_every = noise_every
         self._bp_measure = noise_every is not None or needs_gradient_stats(driver.controller)
         if self._bp_measure:
@@ -232,7 +245,8 @@ class AdaptiveBatchSizeTrainer(Trainer):
         run.driver.min_useful = self.data_parallel_size * args.gradient_accumulation_steps
         if self._bp_measure:
             run.stats = StepStats([p for p in self.model.parameters() if p.requires_grad], world_size=self.data_parallel_size,
-                                accumulation_steps=args.gradient_accumulation_steps, every=self._bp_noise_every)
+                                accumulation_steps=args.gradient_accumulation_steps, every=self._bp_noise_every,
+                                max_micro_batch_size=self._bp_max_micro)
         if self._bp_resume is not None:
             run.load_state_dict(read_state(self._bp_resume))
         self.batchpilot = run
@@ -344,23 +358,37 @@ class AdaptiveBatchSizeTrainer(Trainer):
         return getattr(self, "compute_loss_func", None) is not None
 
     def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
-        """``Trainer.training_step``, with the micro-batch weighted by its share of the global batch."""
+        """``Trainer.training_step``, with the micro-batch weighted by its share of the global batch, and cut
+        into forward/backward passes of at most ``max_micro_batch_size`` rows."""
         run = self.batchpilot
         micro = self._bp_micro.pop(0) if run is not None and self._bp_micro else None
-        if micro is not None and not self._loss_owns_scaling():
-            # Trainer divides the loss by this number: B / (W * n) gives weight n / B per sample share.
-            self.current_gradient_accumulation_steps = micro[0]
-        if run is not None and run.stats is not None:
-            run.stats.begin_micro()
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        divisor = micro[0] if micro is not None and not self._loss_owns_scaling() else None
+        stats = run.stats if run is not None else None
+        pieces = split_rows(inputs, self._bp_max_micro if micro is not None else None)
+        rows = sum(n for _, n in pieces)
+        loss = None
+        for i, (part, n) in enumerate(pieces):
+            if divisor is not None:
+                # Trainer divides the loss by this number: B / (W * m) weights the micro-batch's m rows by
+                # their share of the global batch; a piece of n rows carries n / m of it.
+                self.current_gradient_accumulation_steps = divisor * rows / n if len(pieces) > 1 else divisor
+            if stats is not None:
+                stats.begin_micro()
+            # All pieces but the last accumulate without DDP's all-reduce (the last one does what Trainer set).
+            sync = self.accelerator.no_sync(model) if i < len(pieces) - 1 else contextlib.nullcontext()
+            with sync:
+                piece_loss = super().training_step(model, part, num_items_in_batch)
+            if stats is not None and micro is not None and micro[1]:
+                stats.end_micro(n)
+            loss = piece_loss if loss is None else loss + piece_loss
         if run is not None:
             run.add_loss(loss)
-            if run.stats is not None and micro is not None:
+            if stats is not None and micro is not None:
                 _, size, last = micro
                 # Trainer divided the loss by B / (W n): the .grad increment is W n / B times the mean gradient.
                 to_mean = self.data_parallel_size * size / run.inflight.global_size
                 # fp16: .grad holds the scaled gradient
-                run.stats.after_micro(size, last, to_mean, getattr(self.accelerator, "scaler", None))
+                stats.after_micro(size, last, to_mean, getattr(self.accelerator, "scaler", None))
         return loss
 
     def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:

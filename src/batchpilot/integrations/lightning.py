@@ -319,6 +319,8 @@ class AdaptiveBatchSize(Callback):
         # weight() scaled the loss by n W A / B and Lightning divides by A: the .grad increment is W n / B
         # times the micro-batch's mean gradient; without weight() it is 1 / A times it.
         to_mean = world * micro.size / micro.global_size if self._raw_loss is not None else 1.0 / accumulation
+        if micro.size:
+            self.stats.end_micro(micro.size)
         # fp16: .grad holds the scaled gradient
         self.stats.after_micro(micro.size, micro.is_last, to_mean, getattr(trainer.precision_plugin, "scaler", None))
 
