@@ -129,12 +129,12 @@ def mask_labels(data: Any) -> Any:
 
 def split_rows(inputs: Any, max_rows: int | None) -> list[tuple[Any, int]]:
     """``inputs`` (a dict or tuple of batch-first tensors) cut into chunks of at most ``max_rows`` rows, with
-    each chunk's row count. Rows split as evenly as possible (chunk sizes differ by at most one); values that
-    are not tensors with the batch's rows along dim 0 go to every chunk as they are. One chunk when
-    ``max_rows`` is ``None`` or the batch fits.
+    each chunk's row count. The rows are those of the first tensor with a dimension; they split as evenly as
+    possible (chunk sizes differ by at most one); values that are not tensors with that many rows along dim 0
+    go to every chunk as they are. One chunk when ``max_rows`` is ``None`` or the batch fits.
 
     Raises:
-        TypeError: the batch must be cut but is neither a mapping nor a tuple/list of tensors.
+        TypeError: ``max_rows`` is set but ``inputs`` is not a mapping or tuple/list holding such a tensor.
     """
     if isinstance(inputs, Mapping):
         values = list(inputs.values())
