@@ -1,14 +1,15 @@
 """Run AdaptiveBatchSizeTrainer under torchrun (gloo on CPU) and write what each rank did.
 
     torchrun --standalone --nproc-per-node 2 [--max-restarts 1] tests/_hf_ddp.py OUT_DIR [--workers N]
-        [--save-steps K] [--fail-at-step S] [--noise] [--compile] [--max-micro N]
+        [--save-steps K] [--fail-at-step S] [--noise] [--compile] [--max-micro N] [--oom-recovery]
 
 Writes OUT_DIR/rank<r>.json: per step of this attempt the global size and this rank's sample ids (ghost
 micro-batches excluded), and the final weights. ``--fail-at-step S`` makes rank 1 exit after step S of the
 first attempt; every attempt resumes from the newest checkpoint in OUT_DIR/ckpt if there is one.
 ``--noise`` measures the noise scale on every step and also writes each forward's sample ids and what rank
 0's controller saw. ``--compile`` trains a ``torch.compile``d model (TrainingArguments' torch_compile,
-backend aot_eager); ``--max-micro N`` passes ``max_micro_batch_size=N``.
+backend aot_eager); ``--max-micro N`` passes ``max_micro_batch_size=N``; ``--oom-recovery`` passes
+``oom_recovery=True`` (refused with more than one process).
 Set BATCHPILOT_INIT_TORCHRUN=1 to create the process group with batchpilot's init_torchrun (safe across
 torchrun restarts with gloo) before accelerate. Used by tests/test_hf.py.
 """
@@ -47,6 +48,7 @@ def main() -> None:
     parser.add_argument("--noise", action="store_true", help="measure the noise scale on every step")
     parser.add_argument("--compile", action="store_true", help="torch_compile=True (backend aot_eager)")
     parser.add_argument("--max-micro", type=int, default=None, help="max_micro_batch_size")
+    parser.add_argument("--oom-recovery", action="store_true", help="oom_recovery=True")
     opts = parser.parse_args()
     if os.environ.get("BATCHPILOT_INIT_TORCHRUN"):
         from batchpilot.distributed import init_torchrun
@@ -68,7 +70,8 @@ def main() -> None:
     else:
         controller = SizeList(SIZES)
         trainer = AdaptiveBatchSizeTrainer(batch_size_scheduler=controller, model=model, args=args,
-                                           train_dataset=PointSet(NUM_SAMPLES), max_micro_batch_size=opts.max_micro)
+                                           train_dataset=PointSet(NUM_SAMPLES), max_micro_batch_size=opts.max_micro,
+                                           oom_recovery=opts.oom_recovery)
     steps: list[dict] = []
 
     class Record(TrainerCallback):

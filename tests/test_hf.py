@@ -274,6 +274,115 @@ def test_split_rows_cuts_batch_first_tensors_evenly():
         split_rows(torch.zeros(4, 2), 2)
 
 
+class _OutOfMemoryInBackward(torch.autograd.Function):
+    """Identity whose backward raises the error CUDA raises, for more than ``limit`` rows."""
+
+    @staticmethod
+    def forward(ctx, x, limit):
+        ctx.limit = limit
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if len(grad) > ctx.limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {len(grad)} rows.")
+        return grad, None
+
+
+class FitsRows(Recorder):
+    """A Recorder that 'fits' ``limit`` rows: more raise torch.OutOfMemoryError in the forward, or (``where=
+    "backward"``) in the backward, after the output layer's gradients were accumulated. ``fail_at_call=k``:
+    the k-th forward (from 0) runs out of memory whatever its rows (fragmented memory, say)."""
+
+    def __init__(self, limit: int | None, where: str = "forward", fail_at_call: int | None = None) -> None:
+        super().__init__()
+        self.limit, self.where, self.fail_at_call, self.calls = limit, where, fail_at_call, 0
+
+    def forward(self, x, labels=None, sample_id=None):
+        self.calls += 1
+        if self.calls - 1 == self.fail_at_call:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB.")
+        if self.limit is not None and self.where == "forward" and len(x) > self.limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {len(x)} rows.")
+        if sample_id is not None:
+            self.seen.append(sample_id.tolist())
+        hidden = self.net[1](self.net[0](x))
+        if self.limit is not None and self.where == "backward":  # the output layer's gradients come first
+            hidden = _OutOfMemoryInBackward.apply(hidden, self.limit)
+        logits = self.net[2](hidden)
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def oom_trainer(tmp_path, model, spy, **kwargs):
+    return AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=spy, model=model, train_dataset=PointSet(64), noise_every=1,
+        args=quiet_args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_train_epochs=2,
+                        **exact_sgd(), **kwargs.pop("args", {})),
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("where", ["forward", "backward", "second micro-batch"])
+def test_oom_recovery_runs_the_step_again_with_smaller_passes(tmp_path, where):
+    """The model 'fits' 3 rows: the first step's micro-batches of 4 rows run out of memory (in the forward, or
+    in the backward after some gradients were accumulated), or its second micro-batch does (after the first
+    one's gradient, loss and statistics were recorded). The step runs again from its first micro-batch in
+    passes of half the rows that failed, and the run equals one that never ran out of memory: weights, losses,
+    statistics."""
+    sizes = [8, 12, 6, 16, 10]
+    plain_model, plain_spy = FitsRows(None), StatsSpy(sizes)
+    plain = oom_trainer(tmp_path / "plain", plain_model, plain_spy)
+    plain.train()
+    model = FitsRows(None, fail_at_call=1) if where == "second micro-batch" else FitsRows(3, where)
+    spy = StatsSpy(sizes)
+    trainer = oom_trainer(tmp_path / "oom", model, spy, oom_recovery=True)
+    trainer.train()
+    run = trainer.batchpilot
+    # First step: 4 rows fail -> passes of 2; nothing larger fails after that.
+    assert run.oom_replays == 1 and run.max_micro_batch_size == 2
+    assert max(len(ids) for ids in model.seen[2:]) == 2  # after the failed attempt (one or two forwards)
+    assert run.samples_seen == 2 * 64
+    for got, want in zip(model.parameters(), plain_model.parameters()):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+    assert list(run.driver.losses) == pytest.approx(list(plain.batchpilot.driver.losses), rel=1e-12)
+    for a, b in zip(plain_spy.seen_stats, spy.seen_stats):
+        for key in ("stats/noise_scale", "stats/grad_sq_norm", "stats/trace_cov"):
+            assert (key in a) == (key in b) and (key not in a or b[key] == pytest.approx(a[key], rel=1e-9)), key
+    assert spy.seen_stats[-1]["perf/max_micro_batch_size"] == run.max_micro_batch_size
+
+
+def test_oom_recovery_keeps_its_bound_across_a_resume(tmp_path):
+    """The lowered bound is in batchpilot_state.json: a run resumed from a checkpoint starts with passes of 2
+    and never runs out of memory again, and ends as the uninterrupted run."""
+    sizes = [8, 12, 6, 16, 10]
+
+    def run(resume):
+        model = FitsRows(3)
+        trainer = oom_trainer(tmp_path, model, StatsSpy(sizes), oom_recovery=True,
+                              args=dict(save_strategy="steps", save_steps=4))
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer.batchpilot, [p.detach().clone() for p in model.parameters()]
+
+    full, full_weights = run(None)
+    assert full.oom_replays == 1
+    first = min(tmp_path.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    resumed, weights = run(str(first))
+    assert resumed.oom_replays == 0 and resumed.max_micro_batch_size == 2
+    assert all(torch.equal(a, b) for a, b in zip(full_weights, weights))
+
+
+def test_oom_recovery_errors(tmp_path):
+    # One row that does not fit: nothing left to split.
+    trainer = oom_trainer(tmp_path / "one", FitsRows(0), SizeList([8]), oom_recovery=True)
+    with pytest.raises(RuntimeError, match="one row ran out of memory"):
+        trainer.train()
+    # Other errors pass through; without oom_recovery, so does running out of memory.
+    with pytest.raises(torch.OutOfMemoryError):
+        oom_trainer(tmp_path / "off", FitsRows(3), SizeList([8])).train()
+    with pytest.raises(TypeError, match="oom_recovery must be True or False"):
+        oom_trainer(tmp_path / "type", Recorder(), SizeList([8]), oom_recovery="yes")
+
+
 # --------------------------------------------------------------------------------------------- LR
 def test_lr_schedule_runs_on_samples_and_lr_coupling_scales_it(tmp_path):
     total, warmup_steps = 2 * 61, 2
@@ -624,6 +733,16 @@ def test_torchrun_max_micro_batch_size_keeps_gradients_and_statistics(tmp_path):
     assert cut[0]["weights"] == cut[1]["weights"]
     for got, want in zip(cut[0]["weights"], whole[0]["weights"]):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-13)
+
+
+@pytest.mark.distributed
+def test_torchrun_refuses_oom_recovery_on_two_ranks(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "tests" / "_hf_ddp.py"), str(tmp_path), "--oom-recovery"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert "oom_recovery=True needs one process (world size 2 here)" in proc.stderr
 
 
 @pytest.mark.distributed

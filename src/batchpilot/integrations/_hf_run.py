@@ -53,6 +53,8 @@ class HFRun:
         total_samples: ``num_train_epochs * len(dataset)`` when training by epochs (the LR schedule's and the
             progress bar's length), ``None`` when ``max_steps`` bounds training.
         lr_rule, lr_knee: LR coupling (see :func:`batchpilot.lr.lr_factor`); base batch size = first size.
+        max_micro_batch_size: Most rows per forward/backward (``None``: a micro-batch runs whole); lowered by
+            :meth:`restart_step` after running out of memory, and saved in :meth:`state_dict`.
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class HFRun:
         total_samples: int | None,
         lr_rule: Any = "none",
         lr_knee: int = 4096,
+        max_micro_batch_size: int | None = None,
     ) -> None:
         self.loader = loader
         self.driver = driver
@@ -77,7 +80,9 @@ class HFRun:
         self.last_loss: float | None = None
         self.step_lr_factor = 1.0  # the LR coupling factor the last optimizer step ran with
         self._loss: torch.Tensor | float = 0.0
-        self.stats: Any = None  # a StepStats when the controller reads gradient statistics
+        self._stats: Any = None
+        self.max_micro_batch_size = max_micro_batch_size
+        self.oom_replays = 0  # steps run again after running out of memory (this train() call)
 
     # ------------------------------------------------------------------ progress (read by logs and users)
     @property
@@ -129,6 +134,27 @@ class HFRun:
         return [
             first.global_size / (self.world_size * m.size) if m.size else float("inf") for m in micro
         ]
+
+    @property
+    def stats(self) -> Any:
+        """A :class:`StepStats` when the controller reads gradient statistics, else ``None``."""
+        return self._stats
+
+    @stats.setter
+    def stats(self, stats: Any) -> None:
+        self._stats = stats
+        if stats is not None:
+            stats.max_micro_batch_size = self.max_micro_batch_size
+
+    def restart_step(self, max_micro_batch_size: int) -> None:
+        """The step in flight runs again from its first micro-batch (after running out of memory), in passes of
+        at most ``max_micro_batch_size`` rows from now on: forget its losses and measurements so far."""
+        self._loss = 0.0
+        self.max_micro_batch_size = max_micro_batch_size
+        self.oom_replays += 1
+        if self._stats is not None:
+            self._stats.max_micro_batch_size = max_micro_batch_size
+            self._stats.restart_step()
 
     def add_loss(self, loss: torch.Tensor) -> None:
         """Add one micro-batch's (already weighted) loss, as ``Trainer.training_step`` returns it."""
@@ -189,6 +215,7 @@ class HFRun:
             "coupling": None if self.coupling is None else self.coupling.state_dict(),
             "world_size": self.world_size,
             "stats": None if self.stats is None else self.stats.state_dict(),
+            "max_micro_batch_size": self.max_micro_batch_size,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -198,3 +225,7 @@ class HFRun:
         self._coupling_state = state.get("coupling")
         if self.stats is not None and state.get("stats") is not None:
             self.stats.load_state_dict(state["stats"])
+        if state.get("max_micro_batch_size") is not None:  # a bound lowered after running out of memory stays
+            self.max_micro_batch_size = int(state["max_micro_batch_size"])
+            if self.stats is not None:
+                self.stats.max_micro_batch_size = self.max_micro_batch_size

@@ -64,7 +64,7 @@ class StepStats:
         self.probe = GradientNoiseProbe(params, every=every or DEFAULT_NOISE_EVERY)  # never asked to split a step
         self.meter = StepMeter(device=params[0].device if params else None)  # CUDA: micro-batches timed by events
         self._hooked = False
-        self._global = 0
+        self._step, self._global = 0, 0
         self._started = 0.0
         self._stats: dict[str, float] = {}
 
@@ -80,9 +80,14 @@ class StepStats:
 
     def begin_step(self, step: int, global_size: int) -> None:
         """Step ``step`` (counting from 0) of ``global_size`` samples starts."""
-        self._global = global_size
+        self._step, self._global = step, global_size
         self._started = time.perf_counter()
         self.probe.begin_step(step)
+
+    def restart_step(self) -> None:
+        """The step in flight runs again from its first micro-batch: forget what it measured so far."""
+        self.meter.discard_step()
+        self.begin_step(self._step, self._global)
 
     def begin_micro(self) -> None:
         """A forward/backward starts (timed for the throughput model)."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import os
 import sys
@@ -61,6 +62,7 @@ from transformers.trainer_utils import (
 from ..data.loader import AdaptiveDataLoader
 from .._validation import check_positive_int
 from ..controllers.base import needs_gradient_stats
+from ..engine import is_out_of_memory
 from ._driver import SizeDriver
 from ._hf_callbacks import BatchpilotCallback, SampleProgressCallback
 from ._step_stats import StepStats, check_measurable
@@ -77,6 +79,8 @@ from ._hf_parts import (
 from ._hf_run import HFRun, StepRecord
 
 __all__ = ["AdaptiveBatchSizeTrainer", "HFRun", "StepRecord"]
+
+logger = logging.getLogger("batchpilot")
 
 
 class AdaptiveBatchSizeTrainer(Trainer):
@@ -106,6 +110,10 @@ class AdaptiveBatchSizeTrainer(Trainer):
             passes of at most this many, accumulated without DDP communication, so memory stays bounded
             while the scheduler grows the batch. Needs batches that are dicts or tuples of batch-first
             tensors. Exact for a loss that is a mean over samples or normalised by ``num_items_in_batch``.
+        oom_recovery: One process only. When a forward/backward runs out of memory, drop the step's gradients,
+            lower ``max_micro_batch_size`` to half the rows that failed (it never grows back, and is saved in
+            checkpoints) and run the step again from its first micro-batch: the same samples, batch and LR.
+            ``trainer.batchpilot.oom_replays`` counts the retries.
 
     Attributes:
         batchpilot: The :class:`HFRun` of the current (or last) ``train()`` call: ``batch_size`` (next
@@ -130,6 +138,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
         lr_knee: int = 4096,
         noise_every: int | None = None,
         max_micro_batch_size: int | None = None,
+        oom_recovery: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -146,6 +155,16 @@ class AdaptiveBatchSizeTrainer(Trainer):
         if max_micro_batch_size is not None:
             check_positive_int(max_micro_batch_size, "max_micro_batch_size")
         self._bp_max_micro = max_micro_batch_size
+        if not isinstance(oom_recovery, bool):
+            raise TypeError(f"oom_recovery must be True or False, got {oom_recovery!r}.")
+        if oom_recovery and self.data_parallel_size > 1:
+            raise ValueError(
+                f"oom_recovery=True needs one process (world size {self.data_parallel_size} here): under DDP a rank "
+                "that runs out of memory inside Trainer's backward leaves the others waiting in DDP's all-reduce. "
+                "Set max_micro_batch_size= to a size that fits, or use batchpilot.Pilot(oom_recovery=True), whose "
+                "ranks agree on every retry."
+            )
+        self._bp_oom_recovery = oom_recovery
         self._bp_noise_every = noise_every
         self._bp_measure = noise_every is not None or needs_gradient_stats(driver.controller)
         if self._bp_measure:
@@ -155,8 +174,11 @@ class AdaptiveBatchSizeTrainer(Trainer):
         lr_factor(lr_rule, 1, 1, lr_knee)  # validates the rule
         self.batchpilot: HFRun | None = None
         self._bp_resume: str | None = None
-        # (loss divisor, size, is_last) of each micro-batch of the step in flight that has not run yet
-        self._bp_micro: list[tuple[float, int, bool]] = []
+        # (loss divisor, size, is_last) of each micro-batch of the step in flight, its inputs, and the next one
+        self._bp_plan: list[tuple[float, int, bool]] = []
+        self._bp_inputs: list[Any] = []
+        self._bp_next = 0
+        self._bp_failed_rows = 0
         self._bp_grad_norm: float | None = None
         self._bp_seen_at_start = 0
         self.add_callback(BatchpilotCallback(self))
@@ -241,12 +263,12 @@ class AdaptiveBatchSizeTrainer(Trainer):
             total_samples=None if args.max_steps > 0 else math.ceil(epochs * len(dataset)),
             lr_rule=self._bp_lr[0],
             lr_knee=self._bp_lr[1],
+            max_micro_batch_size=self._bp_max_micro,
         )
         run.driver.min_useful = self.data_parallel_size * args.gradient_accumulation_steps
         if self._bp_measure:
             run.stats = StepStats([p for p in self.model.parameters() if p.requires_grad], world_size=self.data_parallel_size,
-                                accumulation_steps=args.gradient_accumulation_steps, every=self._bp_noise_every,
-                                max_micro_batch_size=self._bp_max_micro)
+                                accumulation_steps=args.gradient_accumulation_steps, every=self._bp_noise_every)
         if self._bp_resume is not None:
             run.load_state_dict(read_state(self._bp_resume))
         self.batchpilot = run
@@ -340,15 +362,18 @@ class AdaptiveBatchSizeTrainer(Trainer):
                 f"a step yielded {len(micro)} micro-batches but Trainer expects {num_batches}; "
                 "the training loop and the loader disagree on gradient_accumulation_steps."
             )
-        self._bp_micro = [(d, m.size, m.is_last) for d, m in zip(run.begin_step(micro), micro)]
+        self._bp_plan = [(d, m.size, m.is_last) for d, m in zip(run.begin_step(micro), micro)]
+        self._bp_next = 0
         if run.stats is not None:
             run.stats.attach(self.model_wrapped)  # DDP exists by now (Trainer wraps after on_train_begin)
             run.stats.begin_step(run.driver.step, micro[0].global_size)
         data = [m.data for m in micro]
+        if self._loss_owns_scaling():
+            # A user loss normalised by num_items_in_batch: count items, with ghost micro-batches masked out.
+            data = [mask_labels(d) if m.ghost else d for d, m in zip(data, micro)]
+        self._bp_inputs = data  # Trainer holds them for the step too; a replay after running out of memory reads them
         if not self._loss_owns_scaling():
             return data, None  # the divisors weight each micro-batch (training_step)
-        # A user loss normalised by num_items_in_batch: count items, with ghost micro-batches masked out.
-        data = [mask_labels(d) if m.ghost else d for d, m in zip(data, micro)]
         return data, self._get_num_items_in_batch(data, device)
 
     def _loss_owns_scaling(self) -> bool:
@@ -358,13 +383,43 @@ class AdaptiveBatchSizeTrainer(Trainer):
         return getattr(self, "compute_loss_func", None) is not None
 
     def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
-        """``Trainer.training_step``, with the micro-batch weighted by its share of the global batch, and cut
-        into forward/backward passes of at most ``max_micro_batch_size`` rows."""
+        """``Trainer.training_step``, with the micro-batch weighted by its share of the global batch, cut into
+        forward/backward passes of at most ``max_micro_batch_size`` rows, and (``oom_recovery``) run again
+        with smaller passes, from the step's first micro-batch, when it runs out of memory."""
         run = self.batchpilot
-        micro = self._bp_micro.pop(0) if run is not None and self._bp_micro else None
-        divisor = micro[0] if micro is not None and not self._loss_owns_scaling() else None
-        stats = run.stats if run is not None else None
-        pieces = split_rows(inputs, self._bp_max_micro if micro is not None else None)
+        if run is None or self._bp_next >= len(self._bp_plan):
+            return super().training_step(model, inputs, num_items_in_batch)  # not a step batchpilot planned
+        current = self._bp_next
+        first = current  # after running out of memory: the step again from its first micro-batch
+        while True:
+            error = None
+            try:
+                for k in range(first, current + 1):
+                    loss = self._micro_passes(model, inputs if k == current else self._bp_inputs[k],
+                                              num_items_in_batch, self._bp_plan[k])
+                    if k < current:
+                        run.add_loss(loss)  # a replayed micro-batch: Trainer already has its loss
+            except Exception as exc:
+                if not (self._bp_oom_recovery and is_out_of_memory(exc)):
+                    raise
+                error = (str(exc).splitlines() or [type(exc).__name__])[0]
+            if error is None:
+                break
+            self._bp_replay_step(model, error)  # outside the except: the failed attempt's frames are gone
+            first = 0
+        self._bp_next = current + 1
+        run.add_loss(loss)
+        return loss
+
+    def _micro_passes(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any,
+                      plan: tuple[float, int, bool]) -> torch.Tensor:
+        """Forward and backward of one micro-batch, in passes of at most ``run.max_micro_batch_size`` rows."""
+        run = self.batchpilot
+        divisor, size, last = plan
+        if self._loss_owns_scaling():
+            divisor = None
+        stats = run.stats
+        pieces = split_rows(inputs, run.max_micro_batch_size)
         rows = sum(n for _, n in pieces)
         loss = None
         for i, (part, n) in enumerate(pieces):
@@ -376,20 +431,35 @@ class AdaptiveBatchSizeTrainer(Trainer):
                 stats.begin_micro()
             # All pieces but the last accumulate without DDP's all-reduce (the last one does what Trainer set).
             sync = self.accelerator.no_sync(model) if i < len(pieces) - 1 else contextlib.nullcontext()
+            self._bp_failed_rows = n
             with sync:
                 piece_loss = super().training_step(model, part, num_items_in_batch)
-            if stats is not None and micro is not None and micro[1]:
+            if stats is not None and size:
                 stats.end_micro(n)
             loss = piece_loss if loss is None else loss + piece_loss
-        if run is not None:
-            run.add_loss(loss)
-            if stats is not None and micro is not None:
-                _, size, last = micro
-                # Trainer divided the loss by B / (W n): the .grad increment is W n / B times the mean gradient.
-                to_mean = self.data_parallel_size * size / run.inflight.global_size
-                # fp16: .grad holds the scaled gradient
-                stats.after_micro(size, last, to_mean, getattr(self.accelerator, "scaler", None))
+        if stats is not None:
+            # Trainer divided the loss by B / (W n): the .grad increment is W n / B times the mean gradient.
+            to_mean = self.data_parallel_size * size / run.inflight.global_size
+            # fp16: .grad holds the scaled gradient
+            stats.after_micro(size, last, to_mean, getattr(self.accelerator, "scaler", None))
         return loss
+
+    def _bp_replay_step(self, model: torch.nn.Module, error: str) -> None:
+        """Drop the step's gradients and lower the pass bound to half the rows that failed."""
+        run = self.batchpilot
+        failed = self._bp_failed_rows
+        if failed <= 1:
+            raise RuntimeError(
+                f"a forward/backward of one row ran out of memory ({error}); there is nothing left to split. "
+                "Use mixed precision (bf16=True / fp16=True), gradient checkpointing, a smaller model or more memory."
+            )
+        old, cap = run.max_micro_batch_size, failed // 2
+        run.restart_step(cap)
+        model.zero_grad(set_to_none=True)  # the optimizer's zero_grad is a no-op between accumulation steps
+        if self.args.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the failed attempt's cached blocks back before the retry
+        logger.warning("step %d ran out of memory with %d rows per forward/backward (%s); running it again with "
+                       "at most %d (max_micro_batch_size was %s)", run.driver.step + 1, failed, error, cap, old)
 
     def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
         value = super()._get_grad_norm(model, grad_norm=grad_norm)
