@@ -4,7 +4,7 @@ Run them where a device is available with ``python -m pytest -q tests/test_cuda.
 -k cuda``. They check what CPU tests cannot: asynchronous kernels timed by CUDA events (the throughput model
 that ``Goodput`` reads), a dataset already on the GPU, fp16 with a real GradScaler, Lightning's own
 GradScaler under ``precision="16-mixed"``, accelerate's under the HF Trainer's ``fp16=True`` (with
-``torch_compile``), and recovery from a real CUDA out-of-memory error.
+``torch_compile``), and recovery from a real CUDA out-of-memory error (Pilot and the HF trainer).
 """
 
 from __future__ import annotations
@@ -161,3 +161,43 @@ def test_hf_fp16_statistics_and_a_compiled_model_on_the_gpu(tmp_path):
     s16, s32 = fp16.batchpilot.stats.stats, fp32.batchpilot.stats.stats
     for key in ("stats/trace_cov", "stats/grad_sq_norm"):
         assert math.isfinite(s16[key]) and 0.5 < s16[key] / s32[key] < 2.0, key
+
+
+def test_hf_oom_recovery_with_a_real_cuda_out_of_memory_error(tmp_path):
+    # As test_a_real_cuda_out_of_memory_error_is_recovered, through AdaptiveBatchSizeTrainer(oom_recovery=True).
+    pytest.importorskip("transformers")
+    from transformers import TrainingArguments
+
+    from batchpilot.integrations.hf import AdaptiveBatchSizeTrainer
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    rows = 1 << 14
+    width = int(1.5 * total / (rows * 4))
+
+    class Rows(torch.utils.data.Dataset):
+        def __init__(self):
+            g = torch.Generator().manual_seed(0)
+            self.x, self.y = torch.randn(2 * rows, 4, generator=g), torch.randn(2 * rows, 1, generator=g)
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return {"x": self.x[i], "y": self.y[i]}
+
+    class Wide(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Linear(width, 1))
+
+        def forward(self, x, y):
+            return {"loss": torch.nn.functional.mse_loss(self.net(x), y)}
+
+    trainer = AdaptiveBatchSizeTrainer(
+        model=Wide(), train_dataset=Rows(), oom_recovery=True,
+        args=TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=rows, num_train_epochs=1,
+                               report_to=[], save_strategy="no", disable_tqdm=True, learning_rate=1e-3),
+    )
+    trainer.train()
+    run = trainer.batchpilot
+    assert run.samples_seen == 2 * rows and run.oom_replays >= 1 and run.max_micro_batch_size <= rows // 2
