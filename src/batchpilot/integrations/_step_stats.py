@@ -48,9 +48,10 @@ class StepStats:
         params: The model's trainable parameters.
         world_size: Data-parallel ranks.
         accumulation_steps: Micro-batches per step on each rank.
-        max_micro_batch_size: Most samples per forward/backward when the loop cuts its micro-batches (the
-            HF trainer's ``max_micro_batch_size``), reported to ``Goodput``; ``None``: not cut.
         every: Measure the noise scale on every ``every``-th step (``None``: ``DEFAULT_NOISE_EVERY``).
+        max_micro_batch_size: Most samples per forward/backward when the loop cuts its micro-batches (the
+            HF trainer's ``max_micro_batch_size``; the attribute follows a bound lowered after running out
+            of memory), reported to ``Goodput``; ``None``: not cut.
 
     Raises:
         ValueError: one process with one micro-batch per step (no small batch to compare with).
