@@ -235,25 +235,23 @@ def test_max_micro_batch_size_cuts_micro_batches_and_keeps_the_gradient_exact(tm
     assert list(trainer.batchpilot.driver.losses) == pytest.approx(losses, rel=1e-12)
 
 
-def test_max_micro_batch_size_leaves_the_statistics_and_tells_goodput(tmp_path):
-    """The noise scale still takes Trainer's micro-batches as its small batches (the passes only split their
-    work); the throughput model times each pass, and Goodput learns the bound."""
-    def run(cap):
-        spy = StatsSpy([12, 9, 15, 6])
-        trainer = AdaptiveBatchSizeTrainer(
-            batch_size_scheduler=spy, model=Recorder(), train_dataset=PointSet(64), noise_every=1,
-            max_micro_batch_size=cap,
-            args=quiet_args(tmp_path / str(cap), per_device_train_batch_size=4, gradient_accumulation_steps=3,
-                            num_train_epochs=1, **exact_sgd()),
-        )
-        trainer.train()
-        return spy.seen_stats
-
-    whole, cut = run(None), run(2)
-    for a, b in zip(whole, cut):
-        for key in ("stats/noise_scale", "stats/grad_sq_norm", "stats/trace_cov"):
-            assert (key in a) == (key in b) and (key not in a or b[key] == pytest.approx(a[key], rel=1e-9)), key
-    assert "perf/max_micro_batch_size" not in whole[-1] and cut[-1]["perf/max_micro_batch_size"] == 2
+def test_max_micro_batch_size_passes_are_the_small_batches_and_goodput_learns_the_bound(tmp_path):
+    """Each pass is a small batch of the noise scale (the estimate equals the by-hand one over the passes);
+    the throughput model times each pass, and Goodput learns the bound."""
+    data, model, spy = PointSet(64), Recorder(), StatsSpy([12, 9, 15, 6])
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=spy, model=model, train_dataset=data, noise_every=1, max_micro_batch_size=2,
+        args=quiet_args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=3, num_train_epochs=1,
+                        **exact_sgd()),
+    )
+    steps = record_steps(trainer)
+    trainer.train()
+    passes = group_by_step(model.seen, [s.global_size for s in steps])
+    assert max(len(p) for p in passes) > 3 and max(len(ids) for p in passes for ids in p) == 2
+    reference = Recorder()
+    check_noise_by_hand(passes, spy.seen_stats, reference, recorder_loss(reference, data))
+    cut = spy.seen_stats
+    assert cut[-1]["perf/max_micro_batch_size"] == 2
     assert cut[-1]["perf/micro_time_b_s"] >= 0 and cut[-1]["perf/accumulation_steps"] == 3
     with pytest.raises(ValueError, match="max_micro_batch_size"):
         AdaptiveBatchSizeTrainer(model=Recorder(), train_dataset=PointSet(8), args=quiet_args(tmp_path),
@@ -327,11 +325,11 @@ def test_oom_recovery_runs_the_step_again_with_smaller_passes(tmp_path, where):
     """The model 'fits' 3 rows: the first step's micro-batches of 4 rows run out of memory (in the forward, or
     in the backward after some gradients were accumulated), or its second micro-batch does (after the first
     one's gradient, loss and statistics were recorded). The step runs again from its first micro-batch in
-    passes of half the rows that failed, and the run equals one that never ran out of memory: weights, losses,
-    statistics."""
+    passes of half the rows that failed, and the run equals one that never ran out of memory and had that bound
+    from the start: weights, losses, statistics (whose small batches are the passes)."""
     sizes = [8, 12, 6, 16, 10]
     plain_model, plain_spy = FitsRows(None), StatsSpy(sizes)
-    plain = oom_trainer(tmp_path / "plain", plain_model, plain_spy)
+    plain = oom_trainer(tmp_path / "plain", plain_model, plain_spy, max_micro_batch_size=2)
     plain.train()
     model = FitsRows(None, fail_at_call=1) if where == "second micro-batch" else FitsRows(3, where)
     spy = StatsSpy(sizes)
@@ -554,12 +552,40 @@ def test_noise_scale_controller_trains_logs_and_resumes(tmp_path):
     assert resumed.batchpilot.stats.probe.estimator.count == trainer.batchpilot.stats.probe.estimator.count
 
 
-def test_gradient_statistics_need_a_small_batch(tmp_path):
-    from batchpilot.controllers import NoiseScale
+def group_by_step(forwards: list[list[int]], sizes: list[int]) -> list[list[list[int]]]:
+    """The forwards' sample ids (one list per forward/backward pass) grouped into steps of ``sizes`` samples."""
+    groups, it = [], iter(forwards)
+    for size in sizes:
+        group: list[list[int]] = []
+        while sum(map(len, group)) < size:
+            group.append(next(it))
+        groups.append(group)
+    return groups
 
-    with pytest.raises(ValueError, match="gradient_accumulation_steps >= 2"):
-        AdaptiveBatchSizeTrainer(batch_size_scheduler=NoiseScale(), model=Recorder(), train_dataset=PointSet(20),
-                                 args=quiet_args(tmp_path, per_device_train_batch_size=4))
+
+def test_one_micro_batch_per_step_is_split_on_measured_steps(tmp_path):
+    """One process, gradient_accumulation_steps=1 (seed 003's setting): a measured step runs its micro-batch
+    as two passes, the noise scale's small batches; the estimate equals the by-hand one and the weights stay
+    those of full-batch SGD."""
+    data, model = PointSet(64), Recorder()
+    spy = StatsSpy([12, 9, 15, 6])
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=spy, model=model, train_dataset=data, noise_every=1,
+        args=quiet_args(tmp_path, per_device_train_batch_size=8, num_train_epochs=1, **exact_sgd()),
+    )
+    steps = record_steps(trainer)
+    trainer.train()
+    passes = group_by_step(model.seen, [s.global_size for s in steps])
+    assert all(len(p) == 2 for p in passes)  # every step measured, every step in two passes
+    reference = Recorder()
+    check_noise_by_hand(passes, spy.seen_stats, reference, recorder_loss(reference, data))
+    assert spy.seen_stats[-1]["stats/noise_count"] == len(steps)
+    sgd, _ = sgd_reference(data, [s.indices for s in steps])
+    for got, want in zip(model.parameters(), sgd.parameters()):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+
+
+def test_gradient_statistics_settings(tmp_path):
     with pytest.raises(ValueError, match="noise_every"):
         AdaptiveBatchSizeTrainer(model=Recorder(), train_dataset=PointSet(20), noise_every=0,
                                  args=quiet_args(tmp_path, gradient_accumulation_steps=2))
@@ -720,16 +746,19 @@ def test_torchrun_noise_scale_from_the_ranks_and_micro_batches(tmp_path, compile
 @pytest.mark.distributed
 def test_torchrun_max_micro_batch_size_keeps_gradients_and_statistics(tmp_path):
     """2 gloo ranks, micro-batches of up to 4 rows run one row at a time: the passes but the last of each
-    step accumulate under no_sync (else DDP's hook would see each pass and the statistics would change),
-    and weights and statistics equal the uncut run's."""
+    step accumulate under no_sync (else DDP's hook would see each pass and the statistics would be wrong),
+    the statistics equal the by-hand estimate over every pass of both ranks, and the weights the uncut run's."""
     whole = torchrun(tmp_path / "whole", "--noise")
     cut = torchrun(tmp_path / "cut", "--noise", "--max-micro", "1")
     assert max(len(ids) for r in whole for ids in r["micro"]) == 4
     assert max(len(ids) for r in cut for ids in r["micro"]) == 1
-    assert [s["ids"] for s in cut[0]["steps"]] == [s["ids"] for s in whole[0]["steps"]]
-    for a, b in zip(whole[0]["stats"], cut[0]["stats"]):
-        for key in ("stats/noise_scale", "stats/grad_sq_norm", "stats/trace_cov"):
-            assert (key in a) == (key in b) and (key not in a or b[key] == pytest.approx(a[key], rel=1e-9)), key
+    steps = cut[0]["steps"]
+    assert [s["ids"] for s in steps] == [s["ids"] for s in whole[0]["steps"]]
+    shares = [[len(s["ids"]) for s in r["steps"]] for r in cut]
+    per_rank = [group_by_step(r["micro"], share) for r, share in zip(cut, shares)]
+    data, reference = PointSet(64), Recorder()
+    check_noise_by_hand([a + b for a, b in zip(*per_rank)], cut[0]["stats"], reference,
+                        recorder_loss(reference, data))
     assert cut[0]["weights"] == cut[1]["weights"]
     for got, want in zip(cut[0]["weights"], whole[0]["weights"]):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-13)

@@ -52,14 +52,18 @@ class StepStats:
         max_micro_batch_size: Most samples per forward/backward when the loop cuts its micro-batches (the
             HF trainer's ``max_micro_batch_size``; the attribute follows a bound lowered after running out
             of memory), reported to ``Goodput``; ``None``: not cut.
+        splits_measured_steps: The loop runs a measured step's only micro-batch as two passes (the HF trainer
+            on one process with ``gradient_accumulation_steps=1``), so one micro-batch per step is fine.
 
     Raises:
         ValueError: one process with one micro-batch per step (no small batch to compare with).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], *, world_size: int, accumulation_steps: int,
-                 every: int | None = None, max_micro_batch_size: int | None = None) -> None:
-        check_measurable(world_size, accumulation_steps)
+                 every: int | None = None, max_micro_batch_size: int | None = None,
+                 splits_measured_steps: bool = False) -> None:
+        if not splits_measured_steps:
+            check_measurable(world_size, accumulation_steps)
         self.world_size, self.accumulation_steps = world_size, accumulation_steps
         self.max_micro_batch_size = max_micro_batch_size
         self.probe = GradientNoiseProbe(params, every=every or DEFAULT_NOISE_EVERY)  # never asked to split a step
@@ -99,10 +103,11 @@ class StepStats:
         self.meter.end_micro(size)
 
     def after_micro(self, size: int, last: bool, to_mean: float, scaler: Any = None) -> None:
-        """A micro-batch of ``size`` samples (0: a ghost) finished its backward (in one or several timed
-        pieces); ``last``: the step's last on this rank. ``to_mean``: the factor between its ``.grad``
-        increment and its mean gradient (its loss weight); ``scaler``: the fp16 GradScaler whose scale
-        ``.grad`` also holds, if any (read only on measured steps: ``get_scale()`` synchronises with the GPU)."""
+        """A small batch of ``size`` samples (a micro-batch, or one pass of a micro-batch cut into several;
+        0: a ghost) finished its backward; ``last``: the step's last on this rank. ``to_mean``: the factor
+        between its ``.grad`` increment and its mean gradient (its loss weight); ``scaler``: the fp16
+        GradScaler whose scale ``.grad`` also holds, if any (read only on measured steps: ``get_scale()``
+        synchronises with the GPU)."""
         if scaler is not None and self.probe.measuring:
             to_mean *= float(scaler.get_scale())
         # Under DDP the last backward already averaged .grad over ranks: its local increment is the one the

@@ -65,7 +65,7 @@ from ..controllers.base import needs_gradient_stats
 from ..engine import is_out_of_memory
 from ._driver import SizeDriver
 from ._hf_callbacks import BatchpilotCallback, SampleProgressCallback
-from ._step_stats import StepStats, check_measurable
+from ._step_stats import StepStats
 from ._hf_parts import (
     SampleLambdaLR,
     TrainLoader,
@@ -103,8 +103,9 @@ class AdaptiveBatchSizeTrainer(Trainer):
         noise_every: Measure the gradient noise scale (McCandlish et al. 2018) on every N-th step. Default:
             every 16th step when the scheduler reads gradient statistics (``NoiseScale``, ``Goodput``,
             ``VarianceRule``, ``ThresholdRules``), else never. The small batches are the micro-batches of a
-            step and the ranks (no extra computation), so one process needs ``gradient_accumulation_steps
-            >= 2``; the statistics reach the scheduler in ``Observation.stats`` (``stats/*``, ``perf/*``).
+            step (or their passes) and the ranks, at no extra computation; on one process with
+            ``gradient_accumulation_steps=1`` a measured step's micro-batch runs as two passes. The statistics
+            reach the scheduler in ``Observation.stats`` (``stats/*``, ``perf/*``).
         max_micro_batch_size: Most rows per forward/backward on a device. A micro-batch (``size / (world_size x
             gradient_accumulation_steps)`` rows, growing with the batch) with more rows runs as several
             passes of at most this many, accumulated without DDP communication, so memory stays bounded
@@ -123,7 +124,8 @@ class AdaptiveBatchSizeTrainer(Trainer):
 
     Raises:
         ValueError: a training argument this trainer cannot honour (the message names it and the fix), or
-            a scheduler that reads gradient statistics with one process and ``gradient_accumulation_steps=1``.
+            ``oom_recovery=True`` with several processes.
+        TypeError: ``oom_recovery`` is not a bool.
     """
 
     def __init__(
@@ -167,8 +169,9 @@ class AdaptiveBatchSizeTrainer(Trainer):
         self._bp_oom_recovery = oom_recovery
         self._bp_noise_every = noise_every
         self._bp_measure = noise_every is not None or needs_gradient_stats(driver.controller)
-        if self._bp_measure:
-            check_measurable(self.data_parallel_size, self.args.gradient_accumulation_steps)
+        # One process, one micro-batch per step: a measured step's micro-batch runs as two passes, the two
+        # small batches of the noise scale (as Pilot splits measured steps).
+        self._bp_split_measured = self.data_parallel_size == 1 and self.args.gradient_accumulation_steps == 1
         from ..lr import lr_factor
 
         lr_factor(lr_rule, 1, 1, lr_knee)  # validates the rule
@@ -268,7 +271,8 @@ class AdaptiveBatchSizeTrainer(Trainer):
         run.driver.min_useful = self.data_parallel_size * args.gradient_accumulation_steps
         if self._bp_measure:
             run.stats = StepStats([p for p in self.model.parameters() if p.requires_grad], world_size=self.data_parallel_size,
-                                accumulation_steps=args.gradient_accumulation_steps, every=self._bp_noise_every)
+                                accumulation_steps=args.gradient_accumulation_steps, every=self._bp_noise_every,
+                                splits_measured_steps=self._bp_split_measured)
         if self._bp_resume is not None:
             run.load_state_dict(read_state(self._bp_resume))
         self.batchpilot = run
@@ -419,7 +423,12 @@ class AdaptiveBatchSizeTrainer(Trainer):
         if self._loss_owns_scaling():
             divisor = None
         stats = run.stats
-        pieces = split_rows(inputs, run.max_micro_batch_size)
+        cap = run.max_micro_batch_size
+        if stats is not None and stats.measuring and self._bp_split_measured:
+            rows = split_rows(inputs, None)[0][1]
+            if rows >= 2:  # the step's only micro-batch: two passes give the noise scale its two small batches
+                cap = min(cap or rows, -(-rows // 2))
+        pieces = split_rows(inputs, cap)
         rows = sum(n for _, n in pieces)
         loss = None
         for i, (part, n) in enumerate(pieces):
@@ -434,14 +443,15 @@ class AdaptiveBatchSizeTrainer(Trainer):
             self._bp_failed_rows = n
             with sync:
                 piece_loss = super().training_step(model, part, num_items_in_batch)
-            if stats is not None and size:
-                stats.end_micro(n)
+            if stats is not None:
+                own = n if size else 0  # a ghost's borrowed row is not a sample of this rank
+                if own:
+                    stats.end_micro(own)
+                # Each pass is a small batch of the noise scale. Trainer divided its loss by B / (W n): the .grad
+                # increment is W n / B times its mean gradient (fp16: .grad also holds the loss scale).
+                to_mean = self.data_parallel_size * own / run.inflight.global_size
+                stats.after_micro(own, last and i == len(pieces) - 1, to_mean, getattr(self.accelerator, "scaler", None))
             loss = piece_loss if loss is None else loss + piece_loss
-        if stats is not None:
-            # Trainer divided the loss by B / (W n): the .grad increment is W n / B times the mean gradient.
-            to_mean = self.data_parallel_size * size / run.inflight.global_size
-            # fp16: .grad holds the scaled gradient
-            stats.after_micro(size, last, to_mean, getattr(self.accelerator, "scaler", None))
         return loss
 
     def _bp_replay_step(self, model: torch.nn.Module, error: str) -> None:
