@@ -199,19 +199,20 @@ def oom_worker(rank: int, world_size: int, init_file: str, out_dir: str, wrap_dd
 
 def compile_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     """Train the same 40 steps with eager DDP, ``torch.compile(DDP(model))`` and ``DDP(torch.compile(model))``
-    (backend ``aot_eager``); count DDP's gradient all-reduces with a communication hook."""
+    (backend ``aot_eager``), the first also with ``oom_recovery`` (the engine then reduces); count DDP's
+    gradient all-reduces with a communication hook."""
     import torch._dynamo
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         results = {}
-        for mode in ("eager", "compile(ddp)", "ddp(compile)"):
+        for mode in ("eager", "compile(ddp)", "ddp(compile)", "compile(ddp)+oom_recovery"):
             torch._dynamo.reset()
             model = make_model()
             inner = torch.compile(model, backend="aot_eager") if mode == "ddp(compile)" else model
             ddp = torch.nn.parallel.DistributedDataParallel(inner)
-            net = torch.compile(ddp, backend="aot_eager") if mode == "compile(ddp)" else ddp
+            net = torch.compile(ddp, backend="aot_eager") if mode.startswith("compile(ddp)") else ddp
             calls = [0]
 
             def hook(state, bucket, calls=calls):  # type: ignore[no-untyped-def]
@@ -222,11 +223,12 @@ def compile_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> 
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             pilot = batchpilot.Pilot(net, opt, make_data(), batch_size=4, max_micro_batch_size=4, seed=5,
                                      controller=SizeList(SIZES) if rank == 0 else SizeList([0]), lr_rule="linear",
-                                     base_batch_size=4, noise_every=2)
+                                     base_batch_size=4, noise_every=2, oom_recovery=mode.endswith("oom_recovery"))
             micro = 0
             for x, y in pilot.batches(max_steps=40):
                 micro += 1
-                pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+                with pilot.micro_step():
+                    pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
             results[mode] = {
                 "weights": [p.detach().tolist() for p in model.parameters()],
                 "allreduces": calls[0], "micro_batches": micro,

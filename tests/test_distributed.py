@@ -129,6 +129,11 @@ def test_compiled_ddp_models_sync_once_per_step_and_train_as_eager_ddp(tmp_path)
         assert run["weights"] == r1[mode]["weights"] == eager["weights"], mode
         assert run["noise"] == eager["noise"] and "stats/trace_cov" in run["noise"]
         assert run["keys"] == eager["keys"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    # With oom_recovery every micro-batch runs under the inner DDP's no_sync and the engine all-reduces.
+    recovery = r0["compile(ddp)+oom_recovery"]
+    assert recovery["allreduces"] == 0 and recovery["weights"] == r1["compile(ddp)+oom_recovery"]["weights"]
+    for w, w_ref in zip(recovery["weights"], eager["weights"]):
+        torch.testing.assert_close(torch.tensor(w), torch.tensor(w_ref), rtol=1e-12, atol=1e-14)
 
 
 def spawn_oom(tmp_path: Path, wrap_ddp: bool, limit0, micro, recovery: bool) -> list[dict]:
