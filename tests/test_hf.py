@@ -267,6 +267,9 @@ def test_split_rows_cuts_batch_first_tensors_evenly():
     assert torch.equal(torch.cat([p["x"] for p, _ in pieces]), batch["x"])
     assert all(p["scale"] is batch["scale"] and p["tag"] == "t" for p, _ in pieces)  # not batch-first: shared
     assert [n for _, n in split_rows((torch.zeros(7, 3), torch.zeros(7)), 3)] == [3, 2, 2]
+    Pair = collections.namedtuple("Pair", "x y")
+    pieces = split_rows(Pair(torch.arange(5), torch.arange(5) * 2), 2)
+    assert all(isinstance(p, Pair) for p, _ in pieces) and torch.equal(pieces[2][0].y, torch.tensor([8]))
     assert split_rows(batch, 5) == [(batch, 5)] and split_rows(batch, None) == [(batch, 5)]
     with pytest.raises(TypeError, match="max_micro_batch_size=2"):
         split_rows(torch.zeros(4, 2), 2)

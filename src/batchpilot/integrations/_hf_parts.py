@@ -164,7 +164,8 @@ def split_rows(inputs: Any, max_rows: int | None) -> list[tuple[Any, int]]:
         made = [{key: pieces[i] for key, pieces in parts.items()} for i in range(chunks)]
     else:
         pieces = [cut(value) for value in inputs]
-        made = [type(inputs)(p[i] for p in pieces) for i in range(chunks)]
+        rebuild = type(inputs)._make if hasattr(inputs, "_fields") else type(inputs)  # a namedtuple, or not
+        made = [rebuild(p[i] for p in pieces) for i in range(chunks)]
     return list(zip(made, sizes))
 
 
