@@ -38,6 +38,17 @@ def check_positive_int(value: Any, name: str, *, minimum: int = 1) -> int:
     return value
 
 
+def check_bool(value: Any, name: str) -> bool:
+    """Return ``value`` if it is ``True`` or ``False`` (a truthy int or string is a mistake, not a flag).
+
+    Raises:
+        TypeError: ``value`` is not a bool.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}.")
+    return value
+
+
 def check_batch_size(value: Any, name: str = "batch_size") -> int:
     """Validate a batch size: an int >= 1 (bools, floats, NaN, 0 and negatives are rejected)."""
     return check_positive_int(value, name, minimum=1)

@@ -30,7 +30,14 @@ import torch
 
 from . import distributed as bpdist
 from ._wrappers import unwrap
-from ._validation import check_batch_size, check_bounds, check_choice, check_positive_int, collect_problems
+from ._validation import (
+    check_batch_size,
+    check_bool,
+    check_bounds,
+    check_choice,
+    check_positive_int,
+    collect_problems,
+)
 from .checkpoint import (
     CheckpointError,
     checkpoint_path,
@@ -181,7 +188,7 @@ class Pilot:
             checkpoint_every=lambda: checkpoint_every is None or check_positive_int(checkpoint_every, "checkpoint_every"),
             grad_clip=lambda: _check_grad_clip(grad_clip),
             controller=lambda: check_controller(controller),
-            oom_recovery=lambda: _check_bool(oom_recovery, "oom_recovery"),
+            oom_recovery=lambda: check_bool(oom_recovery, "oom_recovery"),
         )
         if not problems and checkpoint_every is not None and checkpoint_dir is None:
             problems.append("checkpoint_every is set but checkpoint_dir is None; pass checkpoint_dir=... too.")
@@ -866,11 +873,6 @@ def is_out_of_memory(exc: BaseException) -> bool:
         return True
     message = str(exc).lower()
     return isinstance(exc, RuntimeError) and ("out of memory" in message or "can't allocate memory" in message)
-
-
-def _check_bool(value: Any, name: str) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}.")
 
 
 def _check_grad_clip(value: Any) -> None:

@@ -6,7 +6,7 @@ import math
 import numbers
 from typing import Any, Mapping
 
-from .._validation import check_positive_int
+from .._validation import check_bool, check_positive_int
 from ._adaptive import (
     check_interval,
     check_real,
@@ -99,9 +99,7 @@ class NoiseScale:
             hint=" It is relative: 0.2 = change only beyond a 20% difference.",
         )
         self.interval = check_interval(interval)
-        if not isinstance(allow_shrink, bool):
-            raise TypeError(f"allow_shrink must be True or False, got {allow_shrink!r}.")
-        self.allow_shrink = allow_shrink
+        self.allow_shrink = check_bool(allow_shrink, "allow_shrink")
         self.round_to = _check_round_to(round_to, self.max_size)
         self.max_change = None if max_change is None else check_real(
             max_change, "max_change", low=1.0, hint=" 2.0 = at most double or halve per decision; None = no limit."

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..data.loader import AdaptiveDataLoader, MicroBatch
+from ..data.loader import AdaptiveDataLoader, MicroBatch, split_even
 
 STATE_FILE = "batchpilot_state.json"
 _FORMAT = "batchpilot.integrations.hf"
@@ -152,7 +152,7 @@ def split_rows(inputs: Any, max_rows: int | None) -> list[tuple[Any, int]]:
     if rows <= max_rows:
         return [(inputs, rows)]
     chunks = -(-rows // max_rows)
-    sizes = [rows // chunks + (1 if i < rows % chunks else 0) for i in range(chunks)]
+    sizes = [stop - start for start, stop in split_even(rows, chunks)]
 
     def cut(value: Any) -> list[Any]:
         if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:

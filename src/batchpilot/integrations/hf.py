@@ -60,7 +60,7 @@ from transformers.trainer_utils import (
 )
 
 from ..data.loader import AdaptiveDataLoader
-from .._validation import check_positive_int
+from .._validation import check_bool, check_positive_int
 from ..controllers.base import needs_gradient_stats
 from ..engine import is_out_of_memory
 from ._driver import SizeDriver
@@ -157,8 +157,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
         if max_micro_batch_size is not None:
             check_positive_int(max_micro_batch_size, "max_micro_batch_size")
         self._bp_max_micro = max_micro_batch_size
-        if not isinstance(oom_recovery, bool):
-            raise TypeError(f"oom_recovery must be True or False, got {oom_recovery!r}.")
+        check_bool(oom_recovery, "oom_recovery")
         if oom_recovery and self.data_parallel_size > 1:
             raise ValueError(
                 f"oom_recovery=True needs one process (world size {self.data_parallel_size} here): under DDP a rank "
@@ -424,12 +423,10 @@ class AdaptiveBatchSizeTrainer(Trainer):
             divisor = None
         stats = run.stats
         cap = run.max_micro_batch_size
-        if stats is not None and stats.measuring and self._bp_split_measured:
-            rows = split_rows(inputs, None)[0][1]
-            if rows >= 2:  # the step's only micro-batch: two passes give the noise scale its two small batches
-                cap = min(cap or rows, -(-rows // 2))
+        rows = split_rows(inputs, None)[0][1]
+        if stats is not None and stats.measuring and self._bp_split_measured and rows >= 2:
+            cap = min(cap or rows, -(-rows // 2))  # the step's only micro-batch: two passes, two small batches
         pieces = split_rows(inputs, cap)
-        rows = sum(n for _, n in pieces)
         loss = None
         for i, (part, n) in enumerate(pieces):
             if divisor is not None:
