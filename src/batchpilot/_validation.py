@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
+
+_Choice = TypeVar("_Choice")
 
 
 def check_positive_int(value: Any, name: str, *, minimum: int = 1) -> int:
@@ -27,7 +29,7 @@ def check_positive_int(value: Any, name: str, *, minimum: int = 1) -> int:
         raise ValueError(f"{name} must be an int >= {minimum}, got NaN; check what produced it.")
     elif isinstance(value, numbers.Real) and float(value).is_integer():
         raise TypeError(
-            f"{name} must be an int, got the float {value!r}; pass int({value!r}) = {int(value)} instead."
+            f"{name} must be an int, got the float {value!r}; pass int({value!r}) = {int(float(value))} instead."
         )
     else:
         raise TypeError(
@@ -65,7 +67,7 @@ def check_bounds(min_size: int | None, max_size: int | None) -> tuple[int | None
     return lo, hi
 
 
-def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
+def check_choice(value: Any, name: str, choices: tuple[_Choice, ...]) -> _Choice:
     """Validate that ``value`` is one of ``choices``."""
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}.")

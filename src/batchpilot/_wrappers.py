@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import cast
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -26,6 +27,6 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, DistributedDataParallel | None]
             ddp = ddp or model
             model = model.module
         elif _is_compiled(model):
-            model = model._orig_mod
+            model = cast(nn.Module, model._orig_mod)
         else:
             return model, ddp

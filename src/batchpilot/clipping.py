@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal, Sequence, overload
 
 import torch
 
 
-def sum_of_squares(tensors: list[torch.Tensor], lazy: bool = False) -> float | torch.Tensor:
+@overload
+def sum_of_squares(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...], lazy: Literal[False] = False) -> float: ...
+@overload
+def sum_of_squares(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...], lazy: bool) -> float | torch.Tensor: ...
+def sum_of_squares(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...], lazy: bool = False) -> float | torch.Tensor:
     """``sum_i |t_i|^2`` over ``tensors`` (``inf``/``nan`` when one is not finite).
 
     On an accelerator the per-tensor norms are summed on the device and copied to the host once (a copy
@@ -26,7 +30,7 @@ def sum_of_squares(tensors: list[torch.Tensor], lazy: bool = False) -> float | t
     return sum(float(n) ** 2 for n in norms)
 
 
-def _stacked_sum_of_squares(norms: list[torch.Tensor]) -> torch.Tensor:
+def _stacked_sum_of_squares(norms: Sequence[torch.Tensor]) -> torch.Tensor:
     device = norms[0].device  # parameters may sit on several devices (model parallel): gather on the first
     return torch.stack([n.to(device, torch.float64) for n in norms]).square().sum()
 

@@ -30,7 +30,7 @@ def init_torchrun(backend: str = "gloo", timeout: timedelta | None = None) -> tu
         raise RuntimeError(f"init_torchrun() needs torchrun's environment; {', '.join(missing)} not set. Start with torchrun.")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    kwargs = {} if timeout is None else {"timeout": timeout}
+    kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, **kwargs)
     dist.init_process_group(
         backend, store=dist.PrefixStore(f"batchpilot/attempt-{attempt}", store), rank=rank, world_size=world_size, **kwargs
@@ -97,7 +97,7 @@ def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    _flattened(lambda flat: dist.all_reduce(flat, op=dist.ReduceOp.SUM), [p.grad for p in params])
+    _flattened(lambda flat: dist.all_reduce(flat, op=dist.ReduceOp.SUM), [p.grad for p in params if p.grad is not None])
 
 
 def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> None:

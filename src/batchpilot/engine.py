@@ -24,7 +24,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Generator, Iterator, Sequence
 
 import torch
 
@@ -215,7 +215,7 @@ class Pilot:
         # (without DDP, and under OOM recovery, where the ranks must agree on a replay before any reduction).
         self._engine_reduces = self.world_size > 1 and (not self._ddp or oom_recovery)
         self._ddp_syncs = self._ddp and not self._engine_reduces
-        if self._ddp and self._engine_reduces:
+        if self._ddp_model is not None and self._engine_reduces:
             # Every micro-batch then runs under no_sync, whose forwards do no collective, except that DDP
             # broadcasts the buffers in a forward that follows a synced one, and starts as if one had run.
             # A rank that fails inside a forward would leave the ranks' collectives out of step; the engine
@@ -344,7 +344,7 @@ class Pilot:
     # ------------------------------------------------------------------ the loop
     def batches(
         self, epochs: int | None = None, max_steps: int | None = None, max_samples: int | None = None
-    ) -> Iterator[Any]:
+    ) -> Generator[Any, None, None]:
         """Yield micro-batches (moved to ``device``) until a stop condition holds.
 
         The limits are totals since the start of training, so the same call continues correctly after
@@ -577,6 +577,7 @@ class Pilot:
             self._clip(norm)
             overflow = self.scaler is not None and needs_norm and not math.isfinite(norm)
             if self._optimizer_step(size, stats, overflow):
+                assert self.scaler is not None  # only the GradScaler skips a step in there
                 skipped = True
                 self.skipped_steps += 1
                 # Routine while the GradScaler finds its scale: logged, not warned.
@@ -653,7 +654,7 @@ class Pilot:
             self.scaler.update()
             return self.scaler.get_scale() < scale_before
         finally:
-            if gain is not None:
+            if gain is not None and self.adascale is not None:
                 self.adascale.unscale()
 
     def _clip(self, norm: float) -> None:

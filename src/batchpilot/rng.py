@@ -22,7 +22,7 @@ logger = logging.getLogger("batchpilot")
 
 def rng_state() -> dict[str, Any]:
     """This process's generator states."""
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()  # the legacy tuple (the default)
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],

@@ -204,12 +204,12 @@ def parse_policy(spec: str) -> Policy:
         name = f"{kind}:{start}-{end}" + ("" if m[3] is None else f"@{every:g}")
         return Policy(name, kind, start, end, every)
     if kind == "warmup":
-        m = re.fullmatch(r"(\w+)-(\w+)@([^+]+)\+(.+)", arg)
-        if not m:
+        w = re.fullmatch(r"(\w+)-(\w+)@([^+]+)\+(.+)", arg)
+        if not w:
             raise _bad(spec, "a warmup is written warmup:SMALL-TARGET@W+R, e.g. warmup:32-512@1+2")
-        small, target = _size(spec, m[1], "small size"), _size(spec, m[2], "target size")
-        warm = _number(spec, m[3], "warmup epochs", allow_zero=True)
-        ramp = _number(spec, m[4], "ramp epochs", allow_zero=True)
+        small, target = _size(spec, w[1], "small size"), _size(spec, w[2], "target size")
+        warm = _number(spec, w[3], "warmup epochs", allow_zero=True)
+        ramp = _number(spec, w[4], "ramp epochs", allow_zero=True)
         return Policy(f"warmup:{small}-{target}@{warm:g}+{ramp:g}", "warmup", small, target, warm, ramp)
     raise _bad(spec, f"unknown policy kind {kind!r}")
 
@@ -239,8 +239,8 @@ def parse_policies(specs: str | Sequence[str | Policy]) -> list[Policy]:
         ValueError: a spec is malformed, the list is empty, or a policy appears twice (after expanding
             named sets, a policy listed again is an error only when written out twice by hand).
     """
-    items = specs.split(",") if isinstance(specs, str) else list(specs)
-    items = [i.strip() if isinstance(i, str) else i for i in items]
+    raw: Sequence[str | Policy] = specs.split(",") if isinstance(specs, str) else specs
+    items: list[str | Policy] = [i.strip() if isinstance(i, str) else i for i in raw]
     items = [i for i in items if i != ""]
     if not items:
         raise ValueError(f"no policy given; pass at least one of: {POLICY_HELP}.")

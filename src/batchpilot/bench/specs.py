@@ -8,6 +8,7 @@ configuration, trained once per seed and counted for both. What each policy mean
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
@@ -82,7 +83,8 @@ def _adaptive_spec(plan: Plan, policy: Policy) -> RunSpec:
     required = getattr(controller, "required_stats", ())
     noise = NOISE_EVERY if any(str(k).startswith("stats/") for k in required) else None
     return RunSpec(policy.name, lo, plan.base_lr, rule, plan.base_batch_size, plan.rule_lr(lo, rule),
-                   noise_every=noise, make_controller=lambda n, p=policy: p.make_controller(n, lo, hi),
+                   noise_every=noise,
+                   make_controller=functools.partial(policy.make_controller, min_size=lo, max_size=hi),
                    policies=(policy.name,))
 
 

@@ -24,7 +24,7 @@ from .base import Observation
 
 def read_stat(obs: Observation, key: str) -> float | None:
     """``obs.stats[key]`` as a finite float, or ``None`` when it is absent, not a real number, or NaN/inf."""
-    value = obs.stats.get(key) if obs.stats is not None else None
+    value: Any = obs.stats.get(key) if obs.stats is not None else None
     if value is None or isinstance(value, bool):
         return None
     if not isinstance(value, numbers.Real) and callable(getattr(value, "item", None)):

@@ -162,8 +162,10 @@ class Goodput:
             return current
         self._period = period
 
+        phi = noise  # narrowed to float above: the closure keeps the narrowing
+
         def goodput(size: int) -> float:
-            return size / step_time(size, *model) * self.efficiency(size, noise)
+            return size / step_time(size, *model) * self.efficiency(size, phi)
 
         size = clamp(current, self.min_size, self.max_size)
         table = {s: goodput(s) for s in self.sizes}
@@ -172,12 +174,13 @@ class Goodput:
         best = max(self.sizes, key=lambda s: (table[s], -s))  # ties: the smaller size
         gain = table[best] / table[size]
         prefix = (
-            f"step {obs.step}: phi={fmt(noise)}, best {best} (goodput {fmt(table[best])}) vs {size} "
+            f"step {obs.step}: phi={fmt(phi)}, best {best} (goodput {fmt(table[best])}) vs {size} "
             f"({fmt(table[size])}): x{gain:.3f}"
         )
         if best != size and table[best] > (1.0 + self.switch_threshold) * table[size]:
             new = limit_step(size, best, self.max_change)
-            limited = "" if new == best else f", limited to x{fmt(self.max_change)} per decision"
+            limited = "" if new == best or self.max_change is None else \
+                f", limited to x{fmt(self.max_change)} per decision"
             self.reason = f"{prefix} > 1 + {fmt(self.switch_threshold)} -> {new}{limited}"
             return new
         self.reason = f"{prefix} <= 1 + {fmt(self.switch_threshold)}; kept {size}"

@@ -297,7 +297,13 @@ class AdaptiveDataLoader:
         self.rewinds += 1
         if self._iterator is not None and self._torch_loader is not None:
             # Persistent workers drain their queue and resume from the rewound position.
-            self._iterator = iter(self._wrapped)
+            self._iterator = self._fresh_iterator()
+
+    def _fresh_iterator(self) -> Iterator[Any]:
+        """A new iterator over the worker loader (persistent workers resume from the sampler's position)."""
+        if self._wrapped is None:
+            raise RuntimeError("internal error: no worker loader to iterate (num_workers=0 runs in process)")
+        return iter(self._wrapped)
 
     def _check_between_steps(self, what: str) -> None:
         if self._planned and self._planned[0].micro_index != 0:
@@ -386,7 +392,7 @@ class AdaptiveDataLoader:
         assert self._torch_loader is not None
         self._pending.clear()
         self._exhausted = False
-        self._iterator = iter(self._wrapped)
+        self._iterator = self._fresh_iterator()
         while True:
             while not self._planned and not self._exhausted:
                 self._pull()  # asking for data makes the DataLoader plan (and prefetch) further
@@ -454,7 +460,7 @@ class AdaptiveDataLoader:
         self._pending.clear()
         self._exhausted = False
         if self._torch_loader is not None and self._iterator is not None:
-            self._iterator = iter(self._wrapped)
+            self._iterator = self._fresh_iterator()
 
     def close(self) -> None:
         """Stop the worker processes now; the position is kept and the next ``for`` loop starts new ones.

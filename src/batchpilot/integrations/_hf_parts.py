@@ -37,7 +37,8 @@ class TrainLoader:
     def __init__(self, loader: AdaptiveDataLoader, accumulation_steps: int) -> None:
         self.loader = loader
         self.dataset = loader.dataset
-        self.steps_bound = loader.sampler.num_samples
+        self.num_samples = loader.sampler.num_samples
+        self.steps_bound = self.num_samples  # every step takes >= 1 sample
         self._length = self.steps_bound * accumulation_steps
 
     def __len__(self) -> int:

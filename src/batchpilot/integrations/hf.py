@@ -211,13 +211,14 @@ class AdaptiveBatchSizeTrainer(Trainer):
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
-        self._bp_resume = resume_from_checkpoint or None
+        # A path, or None: False, None and "" mean no resume (True was resolved above).
+        self._bp_resume = (resume_from_checkpoint or None) if isinstance(resume_from_checkpoint, str) else None
         try:
             return super().train(resume_from_checkpoint or None, *args, **kwargs)
         finally:
             self._bp_resume = None
 
-    def get_train_dataloader(self) -> TrainLoader:  # type: ignore[override]
+    def get_train_dataloader(self) -> TrainLoader:
         """Build the run's adaptive loader (restored from the checkpoint when resuming)."""
         dataset = self.train_dataset
         if dataset is None:
@@ -269,7 +270,10 @@ class AdaptiveBatchSizeTrainer(Trainer):
         )
         run.driver.min_useful = self.data_parallel_size * args.gradient_accumulation_steps
         if self._bp_measure:
-            run.stats = StepStats([p for p in self.model.parameters() if p.requires_grad], world_size=self.data_parallel_size,
+            model = self.model
+            if model is None:
+                raise ValueError("AdaptiveBatchSizeTrainer has no model to train; pass model= (or model_init=).")
+            run.stats = StepStats([p for p in model.parameters() if p.requires_grad], world_size=self.data_parallel_size,
                                 accumulation_steps=args.gradient_accumulation_steps, every=self._bp_noise_every,
                                 splits_measured_steps=self._bp_split_measured)
         if self._bp_resume is not None:
@@ -302,7 +306,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
         """Loop bounds that never cut an epoch short: our epochs end by coverage, training by epochs/steps."""
         if not isinstance(dataloader, TrainLoader):
             return super().set_initial_training_values(args, dataloader, *rest)
-        num_samples = len(dataloader.dataset)
+        num_samples = dataloader.num_samples
         steps_bound = dataloader.steps_bound  # every step takes >= 1 sample
         if args.max_steps > 0:
             max_steps, epochs, train_samples = args.max_steps, sys.maxsize, args.max_steps * self.initial_batch_size
@@ -322,6 +326,8 @@ class AdaptiveBatchSizeTrainer(Trainer):
         if self.lr_scheduler is not None or run is None or run.total_samples is None:
             return super().create_scheduler(num_training_steps, optimizer)
         optimizer = optimizer if optimizer is not None else self.optimizer
+        if optimizer is None:
+            raise ValueError("create_scheduler() needs an optimizer: call create_optimizer() first (Trainer does).")
         total = run.total_samples
         warmup = self.args.warmup_steps
         if warmup >= 1:
@@ -340,7 +346,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
                 "cannot be driven by samples; use a warm-up/decay schedule (linear, cosine, constant, ...) or "
                 "set max_steps."
             )
-        self.lr_scheduler = schedule
+        self.lr_scheduler: Any = schedule
         self._created_lr_scheduler = True
         return schedule
 
@@ -378,6 +384,13 @@ class AdaptiveBatchSizeTrainer(Trainer):
         if not self._loss_owns_scaling():
             return data, None  # the divisors weight each micro-batch (training_step)
         return data, self._get_num_items_in_batch(data, device)
+
+    def _bp_active(self) -> tuple[HFRun, StepRecord]:
+        """The run and its step in flight, inside a training step that batchpilot planned."""
+        run = self.batchpilot
+        if run is None or run.inflight is None:
+            raise RuntimeError("internal error: a batchpilot training step ran outside a planned step")
+        return run, run.inflight
 
     def _loss_owns_scaling(self) -> bool:
         scaled = getattr(self, "loss_is_scaled_for_ga", None)  # transformers >= 5.x added this switch
@@ -417,17 +430,16 @@ class AdaptiveBatchSizeTrainer(Trainer):
     def _micro_passes(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any,
                       plan: tuple[float, int, bool]) -> torch.Tensor:
         """Forward and backward of one micro-batch, in passes of at most ``run.max_micro_batch_size`` rows."""
-        run = self.batchpilot
-        divisor, size, last = plan
-        if self._loss_owns_scaling():
-            divisor = None
+        run, step = self._bp_active()
+        size, last = plan[1], plan[2]
+        divisor = None if self._loss_owns_scaling() else plan[0]
         stats = run.stats
         cap = run.max_micro_batch_size
         rows = split_rows(inputs, None)[0][1]
         if stats is not None and stats.measuring and self._bp_split_measured and rows >= 2:
             cap = min(cap or rows, -(-rows // 2))  # the step's only micro-batch: two passes, two small batches
         pieces = split_rows(inputs, cap)
-        loss = None
+        loss: torch.Tensor | None = None
         for i, (part, n) in enumerate(pieces):
             if divisor is not None:
                 # Trainer divides the loss by this number: B / (W * m) weights the micro-batch's m rows by
@@ -446,14 +458,15 @@ class AdaptiveBatchSizeTrainer(Trainer):
                     stats.end_micro(own)
                 # Each pass is a small batch of the noise scale. Trainer divided its loss by B / (W n): the .grad
                 # increment is W n / B times its mean gradient (fp16: .grad also holds the loss scale).
-                to_mean = self.data_parallel_size * own / run.inflight.global_size
+                to_mean = self.data_parallel_size * own / step.global_size
                 stats.after_micro(own, last and i == len(pieces) - 1, to_mean, getattr(self.accelerator, "scaler", None))
             loss = piece_loss if loss is None else loss + piece_loss
+        assert loss is not None  # split_rows returns at least one piece
         return loss
 
     def _bp_replay_step(self, model: torch.nn.Module, error: str) -> None:
         """Drop the step's gradients and lower the pass bound to half the rows that failed."""
-        run = self.batchpilot
+        run, _ = self._bp_active()
         failed = self._bp_failed_rows
         if failed <= 1:
             raise RuntimeError(

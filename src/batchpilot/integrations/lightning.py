@@ -202,8 +202,9 @@ class AdaptiveBatchSize(Callback):
     @_eager
     def batch_size(self) -> int:
         """Global batch size of the next optimizer step."""
-        built = self._loader is not None and self._loader._loader is not None
-        return self._loader.loader.batch_size if built else self.initial_batch_size
+        if self._loader is None or self._loader._loader is None:
+            return self.initial_batch_size
+        return self._loader.loader.batch_size
 
     @property
     @_eager
@@ -304,7 +305,8 @@ class AdaptiveBatchSize(Callback):
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         micro = self.micro_batch
-        if micro is not None and micro.is_last and micro.offset + micro.global_size >= self._loader.loader.sampler.num_samples:
+        if micro is not None and self._loader is not None and micro.is_last and \
+                micro.offset + micro.global_size >= self._loader.loader.sampler.num_samples:
             self._mark_last_batch(trainer)  # this step completes the epoch: Lightning's own "last batch"
         if micro is not None and self.stats is not None:
             if micro.micro_index == 0:
@@ -352,6 +354,7 @@ class AdaptiveBatchSize(Callback):
         self.driver.end_step(micro.global_size, step_loss)
         self._inflight = 0
         stats = None if self.stats is None else self.stats.end_step(self.driver.step, step_loss)
+        assert self._loader is not None  # the micro-batch came from it
         loader = self._loader.loader
         epoch, offset, _ = loader.position()
         new = self.driver.decide(loader.batch_size, epoch=epoch, coverage=offset / loader.sampler.num_samples,

@@ -64,7 +64,8 @@ class LRRangeTest:
 
 
 def _check_lr(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value > 0):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
+            not (math.isfinite(value) and float(value) > 0):
         raise ValueError(f"{name} must be a finite real > 0, got {value!r}.")
     return float(value)
 

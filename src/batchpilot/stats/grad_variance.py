@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import torch
 from torch import nn
@@ -188,7 +188,8 @@ def micro_batch_grad_variance(
                 f"with squared norms as `micro`, sq_norm_mean (|g|^2 of the whole batch) must be a finite number >= 0; "
                 f"got {sq_norm_mean!r}."
             )
-        spread = sum(int(sizes[j]) * float(micro[j]) for j in keep) - total * float(sq_norm_mean)
+        squares = cast(Sequence[float], micro)
+        spread = sum(int(sizes[j]) * float(squares[j]) for j in keep) - total * float(sq_norm_mean)
         spread = max(spread, 0.0)
     else:
         if sq_norm_mean is not None:

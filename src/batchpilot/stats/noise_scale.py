@@ -129,7 +129,7 @@ def small_big_from_micro(
         raise ValueError(
             f"sq_norms_small has {len(sq_norms_small)} entries but sizes has {len(sizes)}; pass one size per micro-batch."
         )
-    pairs = []
+    pairs: list[tuple[float, int]] = []
     for j, (sq, n) in enumerate(zip(sq_norms_small, sizes)):
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
             raise ValueError(f"sizes[{j}] must be an int >= 0, got {n!r}.")
@@ -167,11 +167,11 @@ class NoiseScaleEstimator:
             raise ValueError(
                 f"ema_decay must be in [0, 1), got {ema_decay!r}; 0.95 averages over about 20 updates."
             )
-        self.ema_decay = float(ema_decay)
-        self._count = 0
-        self._grad_sq_ema = 0.0  # EMA of the |G|^2 estimates (not yet corrected)
-        self._trace_ema = 0.0  # EMA of the tr(Sigma) estimates
-        self._biased_ema = 0.0  # EMA of the 0/1 "this update was biased" flags
+        self.ema_decay: float = float(ema_decay)
+        self._count: int = 0
+        self._grad_sq_ema: float = 0.0  # EMA of the |G|^2 estimates (not yet corrected)
+        self._trace_ema: float = 0.0  # EMA of the tr(Sigma) estimates
+        self._biased_ema: float = 0.0  # EMA of the 0/1 "this update was biased" flags
 
     def update(
         self, b_small: float, sq_norm_small: float, b_big: float, sq_norm_big: float, *, biased: bool = False
@@ -272,7 +272,7 @@ class NoiseScaleEstimator:
         if not 0 <= decay < 1 or count < 0 or not all(math.isfinite(v) for v in emas):
             raise ValueError(f"invalid NoiseScaleEstimator state {state!r}: ema_decay in [0, 1), count >= 0, finite EMAs.")
         self.ema_decay, self._count = decay, count
-        self._grad_sq_ema, self._trace_ema, self._biased_ema = emas
+        self._grad_sq_ema, self._trace_ema, self._biased_ema = emas[0], emas[1], emas[2]
 
     def __repr__(self) -> str:
         return f"NoiseScaleEstimator(ema_decay={self.ema_decay}, count={self._count}, b_simple={self.b_simple})"
