@@ -404,6 +404,12 @@ def test_corrupt_and_foreign_checkpoints_give_clear_errors_and_older_ones_stay_u
     files[-1].write_bytes(data[: len(data) // 2])  # a truncated newest file
     with pytest.raises(batchpilot.CheckpointError, match="truncated, corrupt"):
         pilot.load_checkpoint(files[-1])
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"garbage")
+    with pytest.raises(batchpilot.CheckpointError, match="truncated, corrupt") as info:
+        pilot.load_checkpoint(garbage)
+    # torch's diagnosis, without its advice to load with weights_only=False (which runs code from the file)
+    assert "refused it: Unsupported operand" in str(info.value) and "weights_only` set to `False" not in str(info.value)
     foreign = tmp_path / "foreign.pt"
     torch.save({"weights": torch.zeros(2)}, foreign)
     with pytest.raises(batchpilot.CheckpointError, match="not a batchpilot checkpoint"):

@@ -45,6 +45,17 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
     return path
 
 
+def _load_failure(exc: Exception) -> str:
+    """What ``torch.load`` said, in one line. The safe loader's own message mostly suggests
+    ``weights_only=False`` (which would run arbitrary code from the file): keep only its diagnosis."""
+    text = str(exc)
+    marker = "WeightsUnpickler error:"
+    if marker in text:
+        detail = " ".join(text.split(marker, 1)[1].split("Check the documentation", 1)[0].split())
+        return f"the safe loader (weights_only=True) refused it: {detail}"
+    return f"{type(exc).__name__}: {' '.join(text.split())[:200]}"
+
+
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Read a checkpoint written by :func:`save_checkpoint` and return its state.
 
@@ -59,7 +70,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for truncated or foreign data
         raise CheckpointError(
-            f"checkpoint {str(path)!r} cannot be read ({type(exc).__name__}: {str(exc)[:200]}); it is truncated, "
+            f"checkpoint {str(path)!r} cannot be read ({_load_failure(exc)}); it is truncated, "
             "corrupt or not a batchpilot checkpoint. Load an earlier one (see latest_checkpoint)."
         ) from exc
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
