@@ -637,6 +637,26 @@ def test_resume_from_a_foreign_checkpoint_fails_clearly(tmp_path):
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
 
 
+
+def test_a_corrupt_or_foreign_state_file_fails_clearly(tmp_path):
+    from batchpilot.integrations._hf_parts import STATE_FILE, read_state, write_state
+
+    write_state(tmp_path, {"step": 3})
+    assert read_state(tmp_path)["step"] == 3
+    path = tmp_path / STATE_FILE
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])  # a truncated file
+    with pytest.raises(ValueError, match="is truncated or corrupt .*resume from another checkpoint folder"):
+        read_state(tmp_path)
+    path.write_bytes(b"\xff\xfe garbage")
+    with pytest.raises(ValueError, match="is truncated or corrupt"):
+        read_state(tmp_path)
+    for foreign, shown in (([1, 2], r"\[1, 2\]"), ({"format": "other", "version": 1}, "format='other'")):
+        path.write_text(json.dumps(foreign))
+        with pytest.raises(ValueError, match=f"is not a batchpilot Trainer state of version .*{shown}"):
+            read_state(tmp_path)
+
+
 # --------------------------------------------------------------------------------------------- errors
 @pytest.mark.parametrize(
     "overrides, message",

@@ -98,7 +98,8 @@ def read_state(folder: str | os.PathLike) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: the folder has no batchpilot state (a checkpoint of another trainer).
-        ValueError: the file is not a batchpilot state of a version this release reads.
+        ValueError: the file is truncated or corrupt, or not a batchpilot state of a version this release
+            reads.
     """
     path = Path(folder) / STATE_FILE
     if not path.is_file():
@@ -106,12 +107,16 @@ def read_state(folder: str | os.PathLike) -> dict[str, Any]:
             f"{str(folder)!r} has no {STATE_FILE}: it was not written by AdaptiveBatchSizeTrainer, so the data "
             "position and batch size cannot be restored. Resume from a checkpoint this trainer saved."
         )
-    payload = json.loads(path.read_text())
-    if payload.get("format") != _FORMAT or payload.get("version") != _VERSION:
+    try:
+        payload = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(
-            f"{str(path)!r} is not a batchpilot Trainer state of version {_VERSION} "
-            f"(format={payload.get('format')!r}, version={payload.get('version')!r})."
-        )
+            f"{str(path)!r} is truncated or corrupt ({exc}); resume from another checkpoint folder of this run."
+        ) from exc
+    if not isinstance(payload, dict) or payload.get("format") != _FORMAT or payload.get("version") != _VERSION:
+        found = payload if not isinstance(payload, dict) else \
+            f"format={payload.get('format')!r}, version={payload.get('version')!r}"
+        raise ValueError(f"{str(path)!r} is not a batchpilot Trainer state of version {_VERSION} ({str(found)[:100]}).")
     return payload
 
 
