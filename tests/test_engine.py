@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 
@@ -419,6 +420,61 @@ def test_corrupt_and_foreign_checkpoints_give_clear_errors_and_older_ones_stay_u
     assert pilot.load_checkpoint(tmp_path) == files[0]  # the folder falls back to the previous checkpoint
     assert pilot.step == 2 and batchpilot.latest_checkpoint(tmp_path) == files[0]
 
+
+
+def test_a_checkpoint_of_another_run_is_refused_whole_and_changes_nothing(tmp_path):
+    ds, model = make_problem()
+    pilot = batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), ds, batch_size=8, progress=False)
+    for x, y in pilot.batches(max_steps=3):
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    path = pilot.save_checkpoint(tmp_path / "run.pt")
+
+    def fresh(n=96, width=16, optimizer=torch.optim.SGD, schedulers=0):
+        ds2, net = make_problem(n)
+        if width != 16:
+            net[2] = torch.nn.Linear(width, 2).double()
+            net[0] = torch.nn.Linear(6, width).double()
+        opt = optimizer(net.parameters(), lr=0.1)
+        scheds = [torch.optim.lr_scheduler.StepLR(opt, 10) for _ in range(schedulers)]
+        return batchpilot.Pilot(net, opt, ds2, batch_size=4, progress=False, lr_schedulers=scheds), net
+
+    cases = [
+        (dict(width=8), r"the model differs \(other shapes: 0.weight \(16, 6\) vs \(8, 6\) here, 0.bias"),
+        (dict(optimizer=torch.optim.Adam), "written with optimizer torch.optim.sgd.SGD, this Pilot has torch.optim.adam.Adam"),
+        (dict(n=50), "the checkpoint has num_samples=96, this Pilot num_samples=50"),
+        (dict(schedulers=1), "the checkpoint has 0 LR schedulers but this Pilot has 1"),
+    ]
+    for kwargs, message in cases:
+        other, net = fresh(**kwargs)
+        before = [p.detach().clone() for p in net.parameters()]
+        position = other.loader.sampler.state_dict()
+        with pytest.raises(batchpilot.CheckpointError, match=message) as info:
+            other.load_checkpoint(path)
+        assert "nothing was loaded" in str(info.value)
+        assert other.step == 0 and other.samples_seen == 0 and other.batch_size == 4
+        assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+        assert other.loader.sampler.state_dict() == position
+    # Every problem at once, one per line.
+    other, _ = fresh(n=50, optimizer=torch.optim.Adam)
+    with pytest.raises(batchpilot.CheckpointError) as info:
+        other.load_checkpoint(path)
+    assert str(info.value).count("\n  - ") == 2
+    # A model with other names (a renamed layer) is named too.
+    ds3, net3 = make_problem()
+    renamed = torch.nn.Sequential(collections.OrderedDict(
+        [("inp", net3[0]), ("act", net3[1]), ("out", net3[2])]))
+    third = batchpilot.Pilot(renamed, torch.optim.SGD(renamed.parameters(), lr=0.1), ds3, batch_size=8, progress=False)
+    with pytest.raises(batchpilot.CheckpointError, match=r"missing inp.weight, inp.bias, out.weight and 1 more; "
+                                                        r"unexpected 0.weight, 0.bias, 2.weight and 1 more"):
+        third.load_checkpoint(path)
+    fresh_run, _ = fresh()  # the same run's shape loads
+    assert fresh_run.load_checkpoint(path) == path and fresh_run.step == 3
+    # Checkpoints from before the optimizer class was recorded still load.
+    state = batchpilot.checkpoint.load_checkpoint(path)
+    del state["pilot"]["optimizer_class"]
+    older, _ = fresh()
+    older.load_state_dict(state)
+    assert older.step == 3
 
 def test_seed_003_scheduler_via_partial_and_constant_controller():
     from functools import partial

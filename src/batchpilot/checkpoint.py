@@ -12,7 +12,7 @@ import io
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -22,7 +22,7 @@ _NAME = re.compile(r"^step-(\d+)\.pt$")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint file is missing, truncated, corrupt, or not a batchpilot checkpoint."""
+    """A checkpoint file is missing, truncated, corrupt, not a batchpilot checkpoint, or of another run."""
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
@@ -126,3 +126,49 @@ def prune_checkpoints(directory: str | os.PathLike, keep: int) -> None:
     """Delete all but the ``keep`` newest checkpoints in ``directory``."""
     for path in list_checkpoints(directory)[:-keep] if keep > 0 else []:
         path.unlink(missing_ok=True)
+
+
+def class_name(obj: Any) -> str:
+    """``module.QualifiedName`` of ``obj``'s class, as checkpoints record it."""
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _listed(items: list[str], most: int = 3) -> str:
+    return ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
+
+
+def fit_problems(state: Mapping[str, Any], *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 sampler: Any) -> list[str]:
+    """Why a ``Pilot`` state cannot be loaded into this model, optimizer and sampler (empty: it fits).
+
+    Checked before anything is loaded, so that a checkpoint of another run changes nothing: the model's
+    parameter and buffer names and shapes, the optimizer's class (recorded since this check exists) and
+    parameter groups, and the dataset size, seed and shuffling of the sampler."""
+    problems = []
+    saved, current = state.get("model") or {}, model.state_dict()
+    missing = [k for k in current if k not in saved]
+    unexpected = [k for k in saved if k not in current]
+    shapes = [f"{k} {tuple(saved[k].shape)} vs {tuple(v.shape)} here" for k, v in current.items()
+              if k in saved and isinstance(saved[k], torch.Tensor) and isinstance(v, torch.Tensor)
+              and saved[k].shape != v.shape]
+    if missing or unexpected or shapes:
+        parts = ([f"missing {_listed(missing)}"] if missing else []) + \
+                ([f"unexpected {_listed(unexpected)}"] if unexpected else []) + \
+                ([f"other shapes: {_listed(shapes)}"] if shapes else [])
+        problems.append(f"the model differs ({'; '.join(parts)}); build the same model as the run that saved it.")
+    written = (state.get("pilot") or {}).get("optimizer_class")
+    if written is not None and written != class_name(optimizer):
+        problems.append(f"the checkpoint was written with optimizer {written}, this Pilot has "
+                        f"{class_name(optimizer)}; build the Pilot with the same optimizer class.")
+    groups = (state.get("optimizer") or {}).get("param_groups", [])
+    sizes, here = [len(g.get("params", ())) for g in groups], [len(g["params"]) for g in optimizer.param_groups]
+    if sizes != here:
+        problems.append(f"the optimizer's parameter groups differ (parameters per group: {sizes} in the "
+                        f"checkpoint, {here} here); pass the optimizer the same parameter groups.")
+    data = state.get("loader") or {}
+    for key in ("num_samples", "seed", "shuffle"):
+        if key in data and data[key] != getattr(sampler, key):
+            problems.append(f"the data differs: the checkpoint has {key}={data[key]!r}, this Pilot "
+                            f"{key}={getattr(sampler, key)!r}; resume with the same dataset, seed and shuffle setting.")
+    return problems

@@ -41,6 +41,8 @@ from ._validation import (
 from .checkpoint import (
     CheckpointError,
     checkpoint_path,
+    class_name,
+    fit_problems,
     load_checkpoint,
     load_latest_checkpoint,
     prune_checkpoints,
@@ -768,6 +770,7 @@ class Pilot:
                 "losses": list(self._losses),
                 "throughput": self._throughput,
                 "world_size": self.world_size,
+                "optimizer_class": class_name(self.optimizer),
             },
             **{key: None if obj is None else obj.state_dict() for key, obj in self._components().items()},
             "lr_schedulers": [s.state_dict() for s in self.lr_schedulers],
@@ -779,13 +782,19 @@ class Pilot:
         """Restore a :meth:`state_dict` (possibly saved under another world size).
 
         Raises:
-            CheckpointError: the state was saved by a Pilot with other LR schedulers.
+            CheckpointError: the state was saved by another run: another model (names or shapes), optimizer
+                class or parameter groups, dataset size, seed or shuffling, or other LR schedulers. All
+                problems are listed, and nothing is loaded.
         """
+        problems = fit_problems(state, model=self._module, optimizer=self.optimizer, sampler=self.loader.sampler)
         if len(state["lr_schedulers"]) != len(self.lr_schedulers):
-            raise CheckpointError(
+            problems.append(
                 f"the checkpoint has {len(state['lr_schedulers'])} LR schedulers but this Pilot has "
                 f"{len(self.lr_schedulers)}; build the Pilot with the same lr_schedulers."
             )
+        if problems:
+            raise CheckpointError("the checkpoint does not fit this Pilot (nothing was loaded):\n  - "
+                                  + "\n  - ".join(problems))
         p = state["pilot"]
         self.step, self.samples_seen, self.skipped_steps = int(p["step"]), int(p["samples_seen"]), int(p["skipped_steps"])
         self._losses = collections.deque(p["losses"], maxlen=self._losses.maxlen)
