@@ -347,6 +347,42 @@ def test_workers_give_the_same_samples_sizes_and_weights_as_no_workers():
     assert pilot.loader.rewinds > 0  # prefetched micro-batches of the old size were really discarded
 
 
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_several_batches_calls_and_an_in_process_load_keep_data_and_indices_together(num_workers, tmp_path):
+    """Each micro-batch's data is dataset[indices] however the loop is split: batches() called again (the
+    workers had prefetched ahead), a checkpoint loaded into the live Pilot, a loop left mid-step. Before the
+    fix a second batches() with workers paired the planned indices with data prefetched further ahead."""
+    torch.manual_seed(0)
+    x = torch.randn(300, 5)
+    ds = TensorDataset(x, (x.sum(1) > 0).long())
+    model = torch.nn.Linear(5, 2)
+    pilot = batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), ds, batch_size=16,
+                             max_micro_batch_size=8, num_workers=num_workers, progress=False)
+    ids = []
+
+    def loop(limit, leave_mid_step=False):
+        for xb, yb in pilot.batches(max_steps=limit):
+            micro = pilot.micro_batch
+            assert torch.equal(xb, x[torch.as_tensor(micro.indices.tolist())])
+            ids.append((pilot.step, micro.indices.tolist()))
+            pilot.backward(torch.nn.functional.cross_entropy(model(xb), yb))
+            if leave_mid_step and pilot.step == limit - 1 and micro.micro_index == 0:
+                break
+
+    loop(5)
+    pilot.save_checkpoint(tmp_path / "five.pt")
+    loop(9)
+    pilot.set_batch_size(24)
+    loop(14, leave_mid_step=True)
+    redo = len(ids)
+    pilot.load_checkpoint(tmp_path / "five.pt")  # back to step 5, with workers alive and data prefetched
+    loop(20)
+    # After the load, steps 5-8 repeat the first pass exactly (the first pass changed the size at step 9).
+    first = [i for i in ids[:redo] if 5 <= i[0] < 9]
+    assert ids[redo : redo + len(first)] == first
+    assert pilot.step == 20
+
 def test_checkpoint_resume_in_process_is_exact(tmp_path):
     def build():
         torch.manual_seed(1)
@@ -475,6 +511,49 @@ def test_a_checkpoint_of_another_run_is_refused_whole_and_changes_nothing(tmp_pa
     older, _ = fresh()
     older.load_state_dict(state)
     assert older.step == 3
+
+
+@pytest.mark.parametrize("leave, workers", [("break-after-first-micro", 0), ("break-after-last-micro", 0),
+                                            ("break-after-last-micro", 2), ("exception", 0), ("checkpoint", 0)])
+def test_leaving_the_loop_inside_a_step_drops_its_gradients_and_runs_it_again(leave, workers, tmp_path):
+    """The step runs when the loop asks for the next micro-batch; leaving before (break, an exception in the
+    loop body) must not leave partial gradients for the next batches() to count twice."""
+
+    def run(interrupt):
+        ds, model = make_problem()
+        pilot = batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), ds,
+                                 batch_size=12, max_micro_batch_size=4, progress=False, seed=2,
+                                 num_workers=workers if interrupt else 0)
+        seen = []
+        if interrupt:
+            try:
+                for x, y in pilot.batches(max_steps=6):
+                    pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+                    micro = pilot.micro_batch
+                    if pilot.step == 2 and micro.micro_index == (micro.accumulation_steps - 1
+                                                                 if leave == "break-after-last-micro" else 0):
+                        if leave == "exception":
+                            raise KeyError("a bug in the loop body")
+                        break
+            except KeyError:
+                pass
+            assert pilot.step == 2 and all(p.grad is None for p in model.parameters())
+            if leave == "checkpoint":  # leaving, saving and resuming in a new Pilot gives the same run
+                pilot.save_checkpoint(tmp_path / "mid.pt")
+                ds, model = make_problem()
+                pilot = batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), ds,
+                                         batch_size=12, max_micro_batch_size=4, progress=False, seed=2)
+                pilot.load_checkpoint(tmp_path / "mid.pt")
+        for x, y in pilot.batches(max_steps=6):
+            seen.append((pilot.step, pilot.micro_batch.indices.tolist()))
+            pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+        return [p.detach().clone() for p in model.parameters()], seen, pilot.samples_seen
+
+    weights, seen, samples = run(False)
+    weights2, seen2, samples2 = run(True)
+    assert samples2 == samples == 72
+    assert seen2 == [s for s in seen if s[0] >= 2]  # step 3 (index 2) runs again from its first micro-batch
+    assert all(torch.equal(a, b) for a, b in zip(weights, weights2))
 
 def test_seed_003_scheduler_via_partial_and_constant_controller():
     from functools import partial

@@ -300,6 +300,7 @@ class Pilot:
         self._micro_losses: list[tuple[torch.Tensor, int]] = []  # (detached loss, weight in samples)
         self._in_micro_step = False
         self._oom_size: int | None = None  # samples of the micro-batch that ran out of memory, this step
+        self._step_open = False  # a step's first micro-batch was yielded and the step is not finished
         self._oom_error = ""
         self.oom_replays = 0  # steps run again after running out of memory
         self._step_clock = time.perf_counter()
@@ -398,6 +399,8 @@ class Pilot:
                         f"{self.num_samples} with drop_last=True; lower the batch size or set drop_last=False."
                     )
         finally:
+            if self._step_open:
+                self._discard_open_step()
             if self.coupling.is_scaled:
                 self.coupling.unscale()
             self._micro = None
@@ -405,8 +408,23 @@ class Pilot:
             if self._log is not None:
                 self._log.flush()
 
+    def _discard_open_step(self) -> None:
+        """The loop was left inside a step (a ``break`` or an exception in the loop body, even right after
+        the last micro-batch's backward, since the step runs when the loop asks for the next micro-batch):
+        drop its partial gradients and rewind the data to the step's start, so that the next
+        :meth:`batches` (or a checkpoint saved now) runs the whole step again and counts nothing twice."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._micro_losses.clear()
+        self._meter.discard_step()
+        self._oom_size = None
+        self._step_open = False
+        self.loader.restart_step()
+        self._event("interrupted_step", {"note": "the loop left a step unfinished; its gradients were dropped "
+                                                 "and the next batches() runs it again"}, warn=False)
+
     def _run_micro(self, micro: MicroBatch) -> Iterator[Any]:
         self._micro = micro
+        self._step_open = True
         self._backward_done = False
         if micro.micro_index == 0 and self._noise is not None:
             self._noise.begin_step(micro.step)
@@ -586,6 +604,7 @@ class Pilot:
                 self._event("skipped_step", {"loss": loss, "grad_norm": norm, "reason": "fp16 overflow",
                                              "loss_scale": self.scaler.get_scale()}, warn=False)
         self.optimizer.zero_grad(set_to_none=True)
+        self._step_open = False
 
         self.step += 1
         self.samples_seen += size

@@ -229,6 +229,10 @@ class AdaptiveDataLoader:
         self._exhausted = False
         self._torch_loader: DataLoader | None = None
         self._iterator: Iterator[Any] | None = None
+        # The worker iterator no longer matches the sampler's position (a rewind, a loaded state, a new
+        # epoch): the next pull starts a fresh one. Starting it plans its prefetched micro-batches, so a
+        # fresh iterator must only ever start with nothing planned.
+        self._stale = True
         self.rewinds = 0  # how often a size change discarded prefetched micro-batches
         self._current: tuple[int, int, int, int, int] | None = None  # step position of the last micro yielded
         self._next_step = 0  # index of the next step to plan
@@ -281,9 +285,15 @@ class AdaptiveDataLoader:
 
         The step keeps its global batch (the same indices on every rank); the bound holds from then on.
         """
+        bound = check_batch_size(max_micro_batch_size, "max_micro_batch_size")
+        self.restart_step()
+        self.max_micro_batch_size = bound
+
+    def restart_step(self) -> None:
+        """Plan the step of the last micro-batch yielded again, from its first micro-batch (its consumer
+        left it unfinished): its samples count as not yet consumed, in the position and in checkpoints."""
         if self._current is None:
-            raise RuntimeError("replay_step() was called before any micro-batch was yielded.")
-        self.max_micro_batch_size = check_batch_size(max_micro_batch_size, "max_micro_batch_size")
+            raise RuntimeError("restart_step() was called before any micro-batch was yielded.")
         self._rewind(self._current)
 
     def _rewind(self, position: tuple[int, int, int, int, int] | None = None) -> None:
@@ -295,14 +305,15 @@ class AdaptiveDataLoader:
         self._pending.clear()
         self._exhausted = False
         self.rewinds += 1
-        if self._iterator is not None and self._torch_loader is not None:
-            # Persistent workers drain their queue and resume from the rewound position.
-            self._iterator = self._fresh_iterator()
+        self._stale = True  # persistent workers drain their queue and resume from the rewound position
 
     def _fresh_iterator(self) -> Iterator[Any]:
         """A new iterator over the worker loader (persistent workers resume from the sampler's position)."""
         if self._wrapped is None:
             raise RuntimeError("internal error: no worker loader to iterate (num_workers=0 runs in process)")
+        if self._planned or self._pending:
+            raise RuntimeError("internal error: a worker iterator was started while micro-batches were planned")
+        self._stale = False
         return iter(self._wrapped)
 
     def _check_between_steps(self, what: str) -> None:
@@ -390,9 +401,11 @@ class AdaptiveDataLoader:
 
     def _iter_workers(self) -> Iterator[MicroBatch]:
         assert self._torch_loader is not None
+        # Every loop starts a new worker iteration at the sampler's position (__iter__ rewound anything
+        # planned before): a loop may have ended at an epoch's end without reading the old one to its end.
         self._pending.clear()
         self._exhausted = False
-        self._iterator = self._fresh_iterator()
+        self._stale = True
         while True:
             while not self._planned and not self._exhausted:
                 self._pull()  # asking for data makes the DataLoader plan (and prefetch) further
@@ -408,8 +421,10 @@ class AdaptiveDataLoader:
             yield self._micro(planned, data)
 
     def _pull(self) -> None:
+        if self._stale or self._iterator is None:
+            self._iterator = self._fresh_iterator()
         try:
-            self._pending.append(next(self._iterator))  # type: ignore[arg-type]
+            self._pending.append(next(self._iterator))
         except StopIteration:
             self._exhausted = True
 
@@ -459,8 +474,7 @@ class AdaptiveDataLoader:
         self._planned.clear()
         self._pending.clear()
         self._exhausted = False
-        if self._torch_loader is not None and self._iterator is not None:
-            self._iterator = self._fresh_iterator()
+        self._stale = True
 
     def close(self) -> None:
         """Stop the worker processes now; the position is kept and the next ``for`` loop starts new ones.
