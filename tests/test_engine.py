@@ -311,6 +311,20 @@ def test_constructor_reports_every_problem_at_once():
         batchpilot.Pilot(model, opt, ds, batch_size=4, min_batch_size=8)
 
 
+
+def test_a_model_with_nothing_to_train_or_an_optimizer_of_other_parameters_is_an_error():
+    ds, model = make_problem()
+    other = torch.nn.Linear(6, 2).double()
+    with pytest.raises(ValueError, match="the optimizer holds none of the model's trainable parameters"):
+        batchpilot.Pilot(model, torch.optim.SGD(other.parameters(), lr=0.1), ds, batch_size=8)
+    # Some of the model's parameters (others frozen or extra ones) is a choice, not an error.
+    batchpilot.Pilot(model, torch.optim.SGD(list(model[0].parameters()) + list(other.parameters()), lr=0.1), ds,
+                     batch_size=8, progress=False)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameter with requires_grad=True"):
+        batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), ds, batch_size=8)
+
 def test_drop_last_with_a_batch_larger_than_the_data_is_an_error():
     ds, model = make_problem(10)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -226,6 +226,12 @@ class Pilot:
         self._params = [p for p in model.parameters() if p.requires_grad]
         if not self._params:
             raise ValueError("the model has no parameter with requires_grad=True: there is nothing to train.")
+        trainable = {id(p) for p in self._params}
+        if not any(id(p) in trainable for group in optimizer.param_groups for p in group["params"]):
+            raise ValueError(
+                "the optimizer holds none of the model's trainable parameters, so training would change nothing; "
+                "build it from this model's parameters, e.g. torch.optim.SGD(model.parameters(), ...)."
+            )
         self.device = torch.device(device) if device is not None else self._params[0].device
         if self.device.type == "cuda" and self.device.index is not None and bpdist.is_distributed():
             # NCCL collectives (the decisions, the statistics, checkpoints) run on the *current* CUDA device:
