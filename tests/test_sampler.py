@@ -529,3 +529,40 @@ def test_assert_same_is_exact():
                  ({"a": 1}, {"a": 1, "b": 2}), (torch.tensor([1.0]), torch.tensor([1.0 + 1e-7]))]:
         with pytest.raises(AssertionError):
             assert_same(a, b)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_loops_left_anywhere_keep_data_with_indices_and_epochs_exact(num_workers):
+    """AdaptiveDataLoader on its own, looped over again and again: loops left at random points (inside a
+    step too), sizes changed between steps. Every micro-batch's data is its indices' rows, and the steps whose
+    last micro-batch was yielded cover each epoch exactly once (a step left unfinished is planned again).
+    With workers this used to fail: a new loop started the worker iterator twice and mispaired the data."""
+    import random
+
+    from torch.utils.data import TensorDataset
+
+    from batchpilot import AdaptiveDataLoader
+
+    n = 97
+    ds = TensorDataset(torch.arange(n).float().unsqueeze(1), torch.arange(n))
+    rng = random.Random(num_workers)
+    loader = AdaptiveDataLoader(ds, 7, max_micro_batch_size=3, num_workers=num_workers, seed=1)
+    consumed: dict[int, list[int]] = {}
+    try:
+        while len(consumed) <= 4:
+            step: list[int] = []
+            for micro in loader:
+                assert torch.equal(micro.data[1], torch.as_tensor(micro.indices.tolist()))
+                step.extend(micro.indices.tolist())
+                if micro.micro_index == micro.accumulation_steps - 1:
+                    consumed.setdefault(micro.epoch, []).extend(step)
+                    step = []
+                    if rng.random() < 0.3:
+                        loader.set_batch_size(rng.randint(1, 20))
+                if rng.random() < 0.15:
+                    break
+    finally:
+        loader.close()
+    finished = sorted(consumed)[:-1]
+    assert len(finished) == 4
+    assert all(sorted(consumed[e]) == list(range(n)) for e in finished)
