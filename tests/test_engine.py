@@ -533,11 +533,14 @@ def test_leaving_the_loop_inside_a_step_drops_its_gradients_and_runs_it_again(le
     """The step runs when the loop asks for the next micro-batch; leaving before (break, an exception in the
     loop body) must not leave partial gradients for the next batches() to count twice."""
 
-    def run(interrupt):
+    def build(num_workers):
         ds, model = make_problem()
-        pilot = batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), ds,
-                                 batch_size=12, max_micro_batch_size=4, progress=False, seed=2,
-                                 num_workers=workers if interrupt else 0)
+        return model, batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), ds,
+                                       batch_size=12, max_micro_batch_size=4, progress=False, seed=2,
+                                       num_workers=num_workers)
+
+    def run(interrupt):
+        model, pilot = build(workers if interrupt else 0)
         seen = []
         if interrupt:
             try:
@@ -554,9 +557,7 @@ def test_leaving_the_loop_inside_a_step_drops_its_gradients_and_runs_it_again(le
             assert pilot.step == 2 and all(p.grad is None for p in model.parameters())
             if leave == "checkpoint":  # leaving, saving and resuming in a new Pilot gives the same run
                 pilot.save_checkpoint(tmp_path / "mid.pt")
-                ds, model = make_problem()
-                pilot = batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), ds,
-                                         batch_size=12, max_micro_batch_size=4, progress=False, seed=2)
+                model, pilot = build(0)
                 pilot.load_checkpoint(tmp_path / "mid.pt")
         for x, y in pilot.batches(max_steps=6):
             seen.append((pilot.step, pilot.micro_batch.indices.tolist()))

@@ -12,9 +12,12 @@ import io
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
+
+if TYPE_CHECKING:
+    from .data.sampler import AdaptiveBatchSampler
 
 FORMAT = "batchpilot-checkpoint"
 VERSION = 1
@@ -139,7 +142,7 @@ def _listed(items: list[str], most: int = 3) -> str:
 
 
 def fit_problems(state: Mapping[str, Any], *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 sampler: Any) -> list[str]:
+                 sampler: AdaptiveBatchSampler) -> list[str]:
     """Why a ``Pilot`` state cannot be loaded into this model, optimizer and sampler (empty: it fits).
 
     Checked before anything is loaded, so that a checkpoint of another run changes nothing: the model's
@@ -166,9 +169,7 @@ def fit_problems(state: Mapping[str, Any], *, model: torch.nn.Module, optimizer:
     if sizes != here:
         problems.append(f"the optimizer's parameter groups differ (parameters per group: {sizes} in the "
                         f"checkpoint, {here} here); pass the optimizer the same parameter groups.")
-    data = state.get("loader") or {}
-    for key in ("num_samples", "seed", "shuffle"):
-        if key in data and data[key] != getattr(sampler, key):
-            problems.append(f"the data differs: the checkpoint has {key}={data[key]!r}, this Pilot "
-                            f"{key}={getattr(sampler, key)!r}; resume with the same dataset, seed and shuffle setting.")
+    for key, saved_value, here_value in sampler.order_mismatches(state.get("loader") or {}):
+        problems.append(f"the data differs: the checkpoint has {key}={saved_value!r}, this Pilot "
+                        f"{key}={here_value!r}; resume with the same dataset, seed and shuffle setting.")
     return problems

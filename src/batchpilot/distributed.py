@@ -94,10 +94,12 @@ def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
     """
     if not is_distributed():
         return
+    grads = []
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    _flattened(lambda flat: dist.all_reduce(flat, op=dist.ReduceOp.SUM), [p.grad for p in params if p.grad is not None])
+        grads.append(p.grad)
+    _flattened(lambda flat: dist.all_reduce(flat, op=dist.ReduceOp.SUM), grads)
 
 
 def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> None:

@@ -211,12 +211,12 @@ class Pilot:
             )
         # The bare module (what checkpoints hold) and the DDP wrapper, through torch.compile in any order.
         self._module, self._ddp_model = unwrap(model)
-        self._ddp = self._ddp_model is not None
+        ddp = self._ddp_model is not None
         self.oom_recovery = oom_recovery
         # Who sums the gradients over ranks: DDP inside the last backward, or the engine at the step's end
         # (without DDP, and under OOM recovery, where the ranks must agree on a replay before any reduction).
-        self._engine_reduces = self.world_size > 1 and (not self._ddp or oom_recovery)
-        self._ddp_syncs = self._ddp and not self._engine_reduces
+        self._engine_reduces = self.world_size > 1 and (not ddp or oom_recovery)
+        self._ddp_syncs = ddp and not self._engine_reduces
         if self._ddp_model is not None and self._engine_reduces:
             # Every micro-batch then runs under no_sync, whose forwards do no collective, except that DDP
             # broadcasts the buffers in a forward that follows a synced one, and starts as if one had run.
@@ -436,12 +436,12 @@ class Pilot:
             self._noise.begin_step(micro.step)
         data = _to_device(micro.data, self.device)
         self._meter.begin_micro()
-        if not (self._ddp or self.amp):
+        if self._ddp_model is None and not self.amp:
             yield data  # the common case, without context managers
         else:
             with contextlib.ExitStack() as stack:
-                if self._ddp and not (micro.is_last and self._ddp_syncs):
-                    stack.enter_context(self._ddp_model.no_sync())  # type: ignore[union-attr]
+                if self._ddp_model is not None and not (micro.is_last and self._ddp_syncs):
+                    stack.enter_context(self._ddp_model.no_sync())
                 if self.amp is not None:
                     dtype = torch.bfloat16 if self.amp == "bf16" else torch.float16
                     stack.enter_context(torch.autocast(self.device.type, dtype=dtype))
@@ -574,7 +574,7 @@ class Pilot:
         size = micro.global_size
         if self._engine_reduces:
             bpdist.all_reduce_gradients(self._params)
-            if self._ddp and self._ddp_model.broadcast_buffers:  # type: ignore[union-attr]
+            if self._ddp_model is not None and self._ddp_model.broadcast_buffers:
                 bpdist.broadcast_buffers(self._module)  # what DDP does before a synced forward
         loss_sum = sum(value * weight for value, (_, weight) in
                        zip(read_scalars([loss for loss, _ in self._micro_losses]), self._micro_losses))

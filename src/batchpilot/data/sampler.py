@@ -10,7 +10,7 @@ world size resumes under another.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -202,6 +202,12 @@ class AdaptiveBatchSampler:
             "dropped_samples": self.dropped_samples,
         }
 
+    def order_mismatches(self, state: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+        """``(key, in state, here)`` for each of ``num_samples``, ``seed`` and ``shuffle`` that differs: a
+        ``state`` of another dataset or order (keys it lacks are not compared)."""
+        return [(key, state[key], getattr(self, key)) for key in ("num_samples", "seed", "shuffle")
+                if key in state and state[key] != getattr(self, key)]
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (from :meth:`state_dict`, possibly under another world size).
 
@@ -227,12 +233,13 @@ class AdaptiveBatchSampler:
                 f"sampler state is missing {', '.join(missing)}; "
                 "pass the unmodified dict returned by AdaptiveBatchSampler.state_dict()."
             )
-        for key in ("num_samples", "seed", "shuffle"):
-            if state[key] != getattr(self, key):
-                raise ValueError(
-                    f"sampler state has {key}={state[key]!r} but this sampler has {key}={getattr(self, key)!r}; "
-                    "resume with the same dataset, seed and shuffle setting."
-                )
+        mismatches = self.order_mismatches(state)
+        if mismatches:
+            key, saved, here = mismatches[0]
+            raise ValueError(
+                f"sampler state has {key}={saved!r} but this sampler has {key}={here!r}; "
+                "resume with the same dataset, seed and shuffle setting."
+            )
         try:  # a corrupt field is a bad state (ValueError), whatever its type
             counts = {
                 key: check_positive_int(state[key], f"sampler state's {key}", minimum=0)

@@ -50,7 +50,7 @@ class BatchpilotCallback(TrainerCallback):
             return
         loss = run.end_step()
         state.epoch = run.virtual_epoch  # logged as `epoch`: passes over the data by samples (seed 003)
-        stats = {} if run.stats is None else run.stats.end_step(run.driver.step, loss)
+        stats = {} if run.stats is None else run.stats.end_step(run.driver.step, loss, run.max_micro_batch_size)
         if trainer._bp_grad_norm is not None:
             stats["grad/norm"] = trainer._bp_grad_norm
         run.decide(stats)

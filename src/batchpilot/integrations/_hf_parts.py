@@ -38,8 +38,7 @@ class TrainLoader:
         self.loader = loader
         self.dataset = loader.dataset
         self.num_samples = loader.sampler.num_samples
-        self.steps_bound = self.num_samples  # every step takes >= 1 sample
-        self._length = self.steps_bound * accumulation_steps
+        self._length = self.num_samples * accumulation_steps  # every step takes >= 1 sample
 
     def __len__(self) -> int:
         return self._length

@@ -80,7 +80,7 @@ class HFRun:
         self.last_loss: float | None = None
         self.step_lr_factor = 1.0  # the LR coupling factor the last optimizer step ran with
         self._loss: torch.Tensor | float = 0.0
-        self._stats: Any = None
+        self.stats: Any = None  # a StepStats when the controller reads gradient statistics
         self.max_micro_batch_size = max_micro_batch_size
         self.oom_replays = 0  # steps run again after running out of memory (this train() call)
 
@@ -135,26 +135,14 @@ class HFRun:
             first.global_size / (self.world_size * m.size) if m.size else float("inf") for m in micro
         ]
 
-    @property
-    def stats(self) -> Any:
-        """A :class:`StepStats` when the controller reads gradient statistics, else ``None``."""
-        return self._stats
-
-    @stats.setter
-    def stats(self, stats: Any) -> None:
-        self._stats = stats
-        if stats is not None:
-            stats.max_micro_batch_size = self.max_micro_batch_size
-
     def restart_step(self, max_micro_batch_size: int) -> None:
         """The step in flight runs again from its first micro-batch (after running out of memory), in passes of
         at most ``max_micro_batch_size`` rows from now on: forget its losses and measurements so far."""
         self._loss = 0.0
         self.max_micro_batch_size = max_micro_batch_size
         self.oom_replays += 1
-        if self._stats is not None:
-            self._stats.max_micro_batch_size = max_micro_batch_size
-            self._stats.restart_step()
+        if self.stats is not None:
+            self.stats.restart_step()
 
     def add_loss(self, loss: torch.Tensor) -> None:
         """Add one micro-batch's (already weighted) loss, as ``Trainer.training_step`` returns it."""
@@ -227,5 +215,3 @@ class HFRun:
             self.stats.load_state_dict(state["stats"])
         if state.get("max_micro_batch_size") is not None:  # a bound lowered after running out of memory stays
             self.max_micro_batch_size = int(state["max_micro_batch_size"])
-            if self.stats is not None:
-                self.stats.max_micro_batch_size = self.max_micro_batch_size

@@ -49,9 +49,6 @@ class StepStats:
         world_size: Data-parallel ranks.
         accumulation_steps: Micro-batches per step on each rank.
         every: Measure the noise scale on every ``every``-th step (``None``: ``DEFAULT_NOISE_EVERY``).
-        max_micro_batch_size: Most samples per forward/backward when the loop cuts its micro-batches (the
-            HF trainer's ``max_micro_batch_size``; the attribute follows a bound lowered after running out
-            of memory), reported to ``Goodput``; ``None``: not cut.
         splits_measured_steps: The loop runs a measured step's only micro-batch as two passes (the HF trainer
             on one process with ``gradient_accumulation_steps=1``), so one micro-batch per step is fine.
 
@@ -60,12 +57,10 @@ class StepStats:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], *, world_size: int, accumulation_steps: int,
-                 every: int | None = None, max_micro_batch_size: int | None = None,
-                 splits_measured_steps: bool = False) -> None:
+                 every: int | None = None, splits_measured_steps: bool = False) -> None:
         if not splits_measured_steps:
             check_measurable(world_size, accumulation_steps)
         self.world_size, self.accumulation_steps = world_size, accumulation_steps
-        self.max_micro_batch_size = max_micro_batch_size
         self.probe = GradientNoiseProbe(params, every=every or DEFAULT_NOISE_EVERY)  # never asked to split a step
         self.meter = StepMeter(device=params[0].device if params else None)  # CUDA: micro-batches timed by events
         self._hooked = False
@@ -127,14 +122,17 @@ class StepStats:
             sq = float("nan") if grad_norm is None else float(grad_norm) ** 2
             self.probe.end_step(self._global, sq, bpdist.all_reduce_sum if self.world_size > 1 else None)
 
-    def end_step(self, step: int, loss: float | None) -> dict[str, float]:
-        """Step ``step`` (its mean loss ``loss``) is done: fold it into the meters; return every statistic."""
+    def end_step(self, step: int, loss: float | None, max_micro_batch_size: int | None = None) -> dict[str, float]:
+        """Step ``step`` (its mean loss ``loss``) is done: fold it into the meters; return every statistic.
+
+        ``max_micro_batch_size``: most samples per forward/backward when the loop cut its micro-batches into
+        passes (the HF trainer's bound, lowered after running out of memory), reported to ``Goodput``."""
         seconds = time.perf_counter() - self._started
         metrics = self.meter.end_step(step, float("nan") if loss is None else loss, seconds, False)
         self._stats = {**metrics, **self.probe.values(), "dist/world_size": float(self.world_size),
                        "perf/accumulation_steps": float(self.accumulation_steps)}
-        if self.max_micro_batch_size is not None:  # each micro-batch runs in pieces of at most this many
-            self._stats["perf/max_micro_batch_size"] = float(self.max_micro_batch_size)
+        if max_micro_batch_size is not None:  # each micro-batch runs in pieces of at most this many
+            self._stats["perf/max_micro_batch_size"] = float(max_micro_batch_size)
         return self._stats
 
     @property

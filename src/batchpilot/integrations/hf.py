@@ -307,7 +307,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
         if not isinstance(dataloader, TrainLoader):
             return super().set_initial_training_values(args, dataloader, *rest)
         num_samples = dataloader.num_samples
-        steps_bound = dataloader.steps_bound  # every step takes >= 1 sample
+        steps_bound = num_samples  # every step takes >= 1 sample
         if args.max_steps > 0:
             max_steps, epochs, train_samples = args.max_steps, sys.maxsize, args.max_steps * self.initial_batch_size
         else:
@@ -377,11 +377,12 @@ class AdaptiveBatchSizeTrainer(Trainer):
             run.stats.attach(self.model_wrapped)  # DDP exists by now (Trainer wraps after on_train_begin)
             run.stats.begin_step(run.driver.step, micro[0].global_size)
         data = [m.data for m in micro]
-        if self._loss_owns_scaling():
+        owns_scaling = self._loss_owns_scaling()
+        if owns_scaling:
             # A user loss normalised by num_items_in_batch: count items, with ghost micro-batches masked out.
             data = [mask_labels(d) if m.ghost else d for d, m in zip(data, micro)]
         self._bp_inputs = data  # Trainer holds them for the step too; a replay after running out of memory reads them
-        if not self._loss_owns_scaling():
+        if not owns_scaling:
             return data, None  # the divisors weight each micro-batch (training_step)
         return data, self._get_num_items_in_batch(data, device)
 
