@@ -41,8 +41,9 @@ import math
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -242,8 +243,8 @@ def variance_accuracy(n: int, partitions: int, reps: int = 3) -> list[dict]:
             exact = per_sample_grad_variance(model, nn.functional.cross_entropy, x, y)
             grads = brute_force_grads(model, x, y).double()
             # reps = 0 (--quick): accuracy only, no timings
-            t_vmap = best_time(lambda: per_sample_grad_variance(model, nn.functional.cross_entropy, x, y), reps) if reps else None
-            t_loop = best_time(lambda: brute_force_grads(model, x, y), reps) if reps else None
+            t_vmap = best_time(lambda m=model, x=x, y=y: per_sample_grad_variance(m, nn.functional.cross_entropy, x, y), reps) if reps else None
+            t_loop = best_time(lambda m=model, x=x, y=y: brute_force_grads(m, x, y), reps) if reps else None
             brute = float(((grads - grads.mean(0)) ** 2).sum(1).mean())
             row = {"model": name, "dtype": str(dtype).replace("torch.", ""), "n": n, "params": grads.shape[1],
                    "sigma2": exact, "rel_err_vs_loop": abs(exact / brute - 1), "vmap_s": t_vmap, "loop_s": t_loop}

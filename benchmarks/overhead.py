@@ -27,8 +27,8 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
@@ -62,7 +62,7 @@ def loader_variants(train: TensorDataset, batch_size: int, workers: int) -> dict
     def run(loader) -> Callable[[], int]:
         def epoch() -> int:
             n = 0
-            for batch in loader:
+            for _batch in loader:
                 n += 1
             return n
 

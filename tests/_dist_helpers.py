@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _hf_common import SizeList  # a controller that replays a list of sizes
 from torch.utils.data import TensorDataset
 
 import batchpilot
-from _hf_common import SizeList  # a controller that replays a list of sizes
 
 NUM_SAMPLES = 101
 # Sizes chosen so that epoch ends produce final batches of 1 sample (smaller than the world size),

@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
+from harness import assert_state_roundtrip
 from hypothesis import given
 from hypothesis import strategies as st
 
 from batchpilot.lr import AdaScaleLR, SampleLRSchedule, adascale_gain, warmup_constant
-from harness import assert_state_roundtrip
 
 # ----------------------------------------------------------------------------- adascale_gain
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from harness import assert_state_roundtrip
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -23,7 +24,6 @@ from batchpilot.controllers import (
 )
 from batchpilot.controllers.goodput import step_time
 from batchpilot.lr import adascale_gain, lr_factor
-from harness import assert_state_roundtrip
 
 
 def obs(step: int = 0, batch_size: int = 512, stats: dict | None = None, epoch: int = 0, coverage: float = 0.0):

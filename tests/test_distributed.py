@@ -10,11 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _dist_helpers as h
 import pytest
 import torch
 import torch.multiprocessing as mp
-
-import _dist_helpers as h
 
 pytestmark = pytest.mark.distributed
 REPO = Path(__file__).resolve().parents[1]

@@ -277,7 +277,7 @@ def test_backward_misuse_is_reported():
     with pytest.raises(RuntimeError, match="outside"):
         pilot.backward(torch.tensor(1.0, requires_grad=True))
     with pytest.raises(RuntimeError, match="was not called"):
-        for x, y in pilot.batches(max_steps=1):
+        for _x, _y in pilot.batches(max_steps=1):
             pass
     pilot = batchpilot.Pilot(model, opt, ds, batch_size=8)
     with pytest.raises(RuntimeError, match="twice"):

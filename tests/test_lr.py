@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
+from harness import assert_state_roundtrip
 from hypothesis import given
 from hypothesis import strategies as st
 
 from batchpilot.lr import LRCoupling, SampleLRSchedule, lr_factor, warmup_constant, warmup_cosine
-from harness import assert_state_roundtrip
 
 # ----------------------------------------------------------------------------- lr_factor
 

@@ -162,7 +162,7 @@ def test_errors_that_are_not_out_of_memory_are_not_swallowed():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     pilot = batchpilot.Pilot(model, opt, make_data(), batch_size=10, oom_recovery=True)
     with pytest.raises(ValueError, match="shape"):
-        for x, y in pilot.batches(max_steps=1):
+        for _x, _y in pilot.batches(max_steps=1):
             with pilot.micro_step():
                 raise ValueError("a shape mismatch in the user's code")
     assert pilot.oom_replays == 0

@@ -13,11 +13,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from harness import assert_same, assert_state_roundtrip
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchpilot.data.sampler import AdaptiveBatchSampler, share_bounds
-from harness import assert_same, assert_state_roundtrip
 
 FAST = settings(max_examples=200, deadline=None)
 

@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+from harness import assert_state_roundtrip
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -24,7 +25,6 @@ from batchpilot.controllers import (
     linear_increase_scheduler,
     validate_decision,
 )
-from harness import assert_state_roundtrip
 
 
 def obs(step: int = 0, samples_seen: int = 0, epoch: int = 0, coverage: float = 0.0, batch_size: int = 8):

@@ -4,11 +4,11 @@ tests (sampler, schedules and LR classes use it in test_sampler.py, test_schedul
 from __future__ import annotations
 
 import torch
+from harness import assert_state_roundtrip
 from torch.utils.data import TensorDataset
 
 import batchpilot
 from batchpilot.clipping import StatsClip
-from harness import assert_state_roundtrip
 
 SIZES = [5, 17, 3, 40, 9, 1, 26]
 

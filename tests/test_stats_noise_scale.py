@@ -7,9 +7,9 @@ import itertools
 
 import pytest
 import torch
+from harness import assert_state_roundtrip
 
 from batchpilot.stats import NoiseScaleEstimator, small_big_from_micro, two_batch_estimates
-from harness import assert_state_roundtrip
 
 # Hand-derived example: |G|^2 = 1, tr(Sigma) = 8 give E|G_2|^2 = 1 + 8/2 = 5 and E|G_8|^2 = 1 + 8/8 = 2.
 B_SMALL, S_SMALL, B_BIG, S_BIG = 2, 5.0, 8, 2.0

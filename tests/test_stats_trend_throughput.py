@@ -7,9 +7,9 @@ import math
 import random
 
 import pytest
+from harness import assert_state_roundtrip
 
 from batchpilot.stats import LossTrend, ThroughputModel
-from harness import assert_state_roundtrip
 
 
 # ------------------------------------------------------------------------------------------ LossTrend

@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 __all__ = ["main"]
 
@@ -116,9 +116,9 @@ def _factors(text: str) -> list[float]:
 
 
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .bench.policies import parse_policies
     from .bench.report import format_table, write_index, write_report
     from .bench.runner import run_benchmark
-    from .bench.policies import parse_policies
     from .bench.workloads import WORKLOADS, all_workloads, get_workload
 
     if args.list:

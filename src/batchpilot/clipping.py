@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Any, Iterable, Literal, Sequence, overload
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal, overload
 
 import torch
 

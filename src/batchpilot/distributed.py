@@ -7,8 +7,9 @@ Controllers and statistics never communicate; the engine calls these helpers. Ev
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -23,13 +23,13 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Generator, Iterator, Sequence
+from typing import Any
 
 import torch
 
 from . import distributed as bpdist
-from ._wrappers import unwrap
 from ._validation import (
     check_batch_size,
     check_bool,
@@ -38,6 +38,7 @@ from ._validation import (
     check_positive_int,
     collect_problems,
 )
+from ._wrappers import unwrap
 from .checkpoint import (
     CheckpointError,
     checkpoint_path,
@@ -60,8 +61,8 @@ from .controllers.base import (
 )
 from .data.loader import AdaptiveDataLoader, MicroBatch
 from .logs import AdjustmentLog, ProgressBar, TensorBoardSink
-from .measure import DEFAULT_NOISE_EVERY, GradientNoiseProbe, StepMeter, read_scalars
 from .lr import AdaScaleLR, LRCoupling, SampleLRSchedule
+from .measure import DEFAULT_NOISE_EVERY, GradientNoiseProbe, StepMeter, read_scalars
 from .rng import gather_rng_states, restore_rng_states
 
 logger = logging.getLogger("batchpilot")
@@ -888,7 +889,7 @@ class Pilot:
         if self._tb is not None:
             self._tb.close()
 
-    def __enter__(self) -> "Pilot":
+    def __enter__(self) -> Pilot:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -27,8 +27,9 @@ from __future__ import annotations
 import bisect
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from torch.utils.data import TensorDataset
 

@@ -67,7 +67,7 @@ def format_table(results: dict[str, Any], markdown: bool = False) -> str:
         lines += ["| " + " | ".join(r) + " |" for r in rows]
         return "\n".join(lines)
     widths = [max(len(str(c)) for c in col) for col in zip(_HEADER, *rows)]
-    fmt = "  ".join(["{:<%d}" % widths[0], "{:<%d}" % widths[1]] + ["{:>%d}" % w for w in widths[2:]])
+    fmt = "  ".join([f"{{:<{widths[0]}}}", f"{{:<{widths[1]}}}"] + [f"{{:>{w}}}" for w in widths[2:]])
     return "\n".join(fmt.format(*r) for r in [_HEADER, *rows])
 
 

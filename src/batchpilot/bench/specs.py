@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ..lr import lr_factor
 from .policies import ADAPTIVE, NOISE_EVERY, TUNE_FACTORS, Policy

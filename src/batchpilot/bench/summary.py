@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 import re
 import statistics
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 __all__ = ["ACCURACY_SLACK", "critical_batch", "evaluate_targets", "finish_results", "grid_search_cost", "summarize"]
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils.data import TensorDataset

@@ -12,7 +12,8 @@ import functools
 import math
 import numbers
 from bisect import bisect_right
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from .._validation import (
     check_batch_size,

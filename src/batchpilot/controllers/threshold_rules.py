@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .._validation import check_batch_size, check_choice, check_positive_int
 from ._adaptive import (

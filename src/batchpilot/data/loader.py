@@ -17,8 +17,9 @@ consumer, and no index is lost or repeated. The cost is one discarded prefetch w
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -131,7 +132,7 @@ def _first(batch: list[Any]) -> Any:
 class _PlanBatchSampler:
     """The batch sampler handed to torch's DataLoader: each ``__iter__`` plans from the current position."""
 
-    def __init__(self, owner: "AdaptiveDataLoader") -> None:
+    def __init__(self, owner: AdaptiveDataLoader) -> None:
         self._owner = owner
 
     def __iter__(self) -> Iterator[list[int]]:

@@ -10,7 +10,8 @@ world size resumes under another.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 

@@ -59,13 +59,12 @@ from transformers.trainer_utils import (
     seed_worker,
 )
 
-from ..data.loader import AdaptiveDataLoader
 from .._validation import check_bool, check_positive_int
 from ..controllers.base import needs_gradient_stats
+from ..data.loader import AdaptiveDataLoader
 from ..engine import is_out_of_memory
 from ._driver import SizeDriver
 from ._hf_callbacks import BatchpilotCallback, SampleProgressCallback
-from ._step_stats import StepStats
 from ._hf_parts import (
     SampleLambdaLR,
     TrainLoader,
@@ -77,6 +76,7 @@ from ._hf_parts import (
     write_state,
 )
 from ._hf_run import HFRun, StepRecord
+from ._step_stats import StepStats
 
 __all__ = ["AdaptiveBatchSizeTrainer", "HFRun", "StepRecord"]
 

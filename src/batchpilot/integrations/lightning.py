@@ -36,10 +36,10 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from .. import distributed as bpdist
-from ..data.loader import AdaptiveDataLoader, MicroBatch
 from .._validation import check_positive_int
 from ..clipping import grad_norm
 from ..controllers.base import needs_gradient_stats
+from ..data.loader import AdaptiveDataLoader, MicroBatch
 from ..measure import read_scalars
 from ._driver import SizeDriver
 from ._step_stats import StepStats, check_measurable

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable, Mapping, Union
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
-LRRule = Union[str, Callable[[float], float]]
+LRRule = str | Callable[[float], float]
 """``"none"``, ``"linear"``, ``"sqrt"``, ``"linear-then-sqrt"`` or a callable ``ratio -> factor``."""
 
 RULES = ("none", "linear", "sqrt", "linear-then-sqrt")

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable, Sequence, cast
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn

@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["NoiseScaleEstimator", "small_big_from_micro", "two_batch_estimates"]
 
