@@ -152,6 +152,53 @@ def test_mid_epoch_resume_is_exact_and_not_flagged_as_unresumable(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(full.net.parameters(), resumed.net.parameters()))
 
 
+def test_resume_from_an_epoch_end_checkpoint_is_exact(tmp_path):
+    # ModelCheckpoint's default saves at epoch ends, where Lightning restores no loader state (it is not
+    # restarting mid-epoch): the callback's own state carries the data position. It used to replay epoch 0's
+    # order at the first size.
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(ckpt_path=None):
+        adaptive = AdaptiveBatchSize(SizeList(SIZES), batch_size=4)
+        model = Model(adaptive, make_data(), val=False)
+        saver = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=-1, filename="end-{step}",
+                                save_on_train_epoch_end=True)
+        fit = trainer(tmp_path, adaptive, max_epochs=3, accumulate_grad_batches=2, enable_checkpointing=True,
+                      callbacks=[adaptive, saver])
+        fit.fit(model, ckpt_path=ckpt_path)
+        return model
+
+    full = run()
+    first_epoch = sum(1 for s in full.steps if s["epoch"] == 0)
+    resumed = run(str(tmp_path / "ckpt" / f"end-step={first_epoch}.ckpt"))
+    assert [(s["size"], s["ids"]) for s in resumed.steps] == [(s["size"], s["ids"]) for s in full.steps[first_epoch:]]
+    assert all(torch.equal(a, b) for a, b in zip(full.net.parameters(), resumed.net.parameters()))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_drop_last_trains_every_epoch(tmp_path, workers):
+    # The callback ends an epoch whose tail will be dropped; the next epoch's loop must start with the next
+    # data epoch. In process every other epoch used to be empty.
+    class DropLast(Model):
+        def train_dataloader(self):
+            return self.adaptive.dataloader(self.data, num_workers=self.workers, seed=1, drop_last=True)
+
+    adaptive = AdaptiveBatchSize(batch_size=7)  # 61 samples: 8 steps of 7, 5 dropped per epoch
+    model = DropLast(adaptive, make_data(), workers=workers)
+    trainer(tmp_path, adaptive, max_epochs=3).fit(model)
+    assert [s["epoch"] for s in model.steps] == [e for e in range(3) for _ in range(8)]
+    assert all(s["size"] == 7 for s in model.steps)
+    assert model.validations == 3 and adaptive.samples_seen == 3 * 56
+
+
+@pytest.mark.parametrize("limit, message", [(0.5, "fraction"), (3, "not a multiple of accumulate_grad_batches=2")])
+def test_limit_train_batches_must_mean_whole_steps(tmp_path, limit, message):
+    adaptive = AdaptiveBatchSize(batch_size=4)
+    model = Model(adaptive, make_data(), val=False)
+    with pytest.raises(ValueError, match=message):
+        trainer(tmp_path, adaptive, accumulate_grad_batches=2, limit_train_batches=limit).fit(model)
+
+
 def test_the_loader_needs_the_callback_in_the_trainer(tmp_path):
     adaptive = AdaptiveBatchSize(SizeList(SIZES), batch_size=4)
     model = Model(AdaptiveBatchSize(batch_size=4), make_data(), val=False)  # a different callback's loader

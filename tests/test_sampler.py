@@ -236,6 +236,44 @@ def test_drop_last_drops_exactly_the_incomplete_final_batch():
     assert s.virtual_epoch == 0.8
 
 
+def test_a_loop_that_starts_at_a_tail_to_drop_trains_the_next_epoch():
+    s = AdaptiveBatchSampler(10, 4, shuffle=False, drop_last=True)
+    it = iter(s)
+    assert [next(it), next(it)] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # left before asking past the last batch
+    assert (s.epoch, s.offset) == (0, 8)
+    assert list(s) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # the new loop drops the tail: epoch 1, not nothing
+    assert (s.epoch, s.samples_seen, s.dropped_samples) == (2, 16, 4)
+    it = iter(s)
+    assert [next(it), next(it)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    s.set_batch_size(2)  # decided before the next step: the tail now fits and is kept (the drop is lazy)
+    assert list(s) == [[8, 9]]
+    assert (s.epoch, s.samples_seen, s.dropped_samples) == (3, 26, 4)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_drop_last_loader_loops_are_whole_epochs(num_workers):
+    """A loop ends at an epoch's last full step (as Lightning's does, without asking for one more batch);
+    the next loop must be the next epoch. In process it used to be empty every other time."""
+    from torch.utils.data import TensorDataset
+
+    from batchpilot import AdaptiveDataLoader
+
+    loader = AdaptiveDataLoader(TensorDataset(torch.arange(50)), 7, drop_last=True, num_workers=num_workers)
+    epochs = []
+    for _ in range(4):
+        steps = []
+        for micro in loader:
+            steps.append(micro.epoch)
+            if len(steps) == 7:
+                break
+        epochs.append(steps)
+    assert epochs == [[e] * 7 for e in range(4)]
+    # Epochs 0-2 dropped one sample each; epoch 3's tail is left in process, while the workers' prefetch
+    # already asked past epoch 3's last step and dropped it.
+    assert loader.sampler.dropped_samples == (3 if num_workers == 0 else 4)
+    loader.close()
+
+
 def test_drop_last_with_a_size_beyond_the_dataset_drops_the_whole_epoch():
     s = AdaptiveBatchSampler(5, 8, drop_last=True)
     assert len(s) == 0

@@ -272,6 +272,18 @@ class AdaptiveDataLoader:
         if self._planned:
             self._rewind()
 
+    def next_step_size(self) -> int:
+        """Samples in the next global batch: the batch size, or the rest of the epoch when fewer are left
+        (with ``drop_last``, such a rest is dropped and the next epoch's first batch counts). Call between
+        steps."""
+        if self._planned:
+            return self._planned[0].global_size
+        s = self.sampler
+        remaining = s.num_samples - s.offset
+        if s.drop_last and remaining < s.batch_size:
+            remaining = s.num_samples
+        return min(s.batch_size, remaining)
+
     def set_max_micro_batch_size(self, size: int | None) -> None:
         """Change the micro-batch bound from the next step on (e.g. after running out of memory)."""
         size = None if size is None else check_batch_size(size, "max_micro_batch_size")
@@ -380,10 +392,12 @@ class AdaptiveDataLoader:
         """Yield the micro-batches of the remaining steps of the current epoch.
 
         A loop left early (``break``) leaves its unfinished step to the next loop, which starts that step
-        again from its first micro-batch.
+        again from its first micro-batch. A loop that starts where only a tail to drop is left
+        (``drop_last``) drops it and yields the next epoch.
         """
         if self._planned:
             self._rewind()
+        self.sampler.drop_tail()
         if self._torch_loader is None:
             return self._iter_in_process()
         return self._iter_workers()

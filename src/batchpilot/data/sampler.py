@@ -151,12 +151,7 @@ class AdaptiveBatchSampler:
         remaining = self.num_samples - self.offset
         size = min(self._batch_size, remaining)
         if self.drop_last and size < self._batch_size:
-            self.dropped_samples += remaining
-            logger.info(
-                "drop_last: dropped the final %d samples of epoch %d (batch size %d)",
-                remaining, self.epoch, self._batch_size,
-            )
-            self.epoch, self.offset = self.epoch + 1, 0
+            self._drop(remaining)
             return None
         batch = self.order()[self.offset : self.offset + size]
         self.offset += size
@@ -165,13 +160,34 @@ class AdaptiveBatchSampler:
             self.epoch, self.offset = self.epoch + 1, 0
         return batch
 
+    def drop_tail(self) -> bool:
+        """With ``drop_last``, end an epoch that was left with fewer samples than the batch size.
+
+        ``next_global_batch`` drops such a tail lazily, since a smaller size decided meanwhile could still
+        take it; a loop that starts there calls this first so that it trains the next epoch instead of
+        ending at once. Returns whether a tail was dropped.
+        """
+        remaining = self.num_samples - self.offset
+        if not (self.drop_last and self.offset > 0 and remaining < self._batch_size):
+            return False
+        self._drop(remaining)
+        return True
+
+    def _drop(self, remaining: int) -> None:
+        self.dropped_samples += remaining
+        logger.info("drop_last: dropped the final %d samples of epoch %d (batch size %d)",
+                    remaining, self.epoch, self._batch_size)
+        self.epoch, self.offset = self.epoch + 1, 0
+
     def local_share(self, global_batch: np.ndarray) -> np.ndarray:
         """This rank's contiguous share of ``global_batch``."""
         start, stop = share_bounds(len(global_batch), self.rank, self.world_size)
         return global_batch[start:stop]
 
     def __iter__(self) -> Iterator[list[int]]:
-        """Yield this rank's share of each remaining global batch of the current epoch."""
+        """Yield this rank's share of each remaining global batch of the current epoch (of the next one
+        when only a tail to drop is left)."""
+        self.drop_tail()
         start_epoch = self.epoch
         while self.epoch == start_epoch:
             batch = self.next_global_batch()

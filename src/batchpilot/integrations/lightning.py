@@ -151,6 +151,7 @@ class AdaptiveBatchSize(Callback):
         self._measure = noise_every is not None or needs_gradient_stats(self.driver.controller)
         self.stats: StepStats | None = None  # built at the start of training when measuring
         self._stats_state: dict[str, Any] | None = None
+        self._loader_state: dict[str, Any] | None = None  # a resumed data position for a loader built later
         self.log_progress = log
         self._trainer: Any = None
         self._loader: AdaptiveLoader | None = None
@@ -187,6 +188,8 @@ class AdaptiveBatchSize(Callback):
         )
         if previous is not None and previous._loader is not None:  # reloaded dataloaders keep the position
             self._loader.load_state_dict(previous.state_dict())
+        elif self._loader_state is not None:  # resuming: the position restored with the callback's state
+            self._loader.load_state_dict(self._loader_state)
         self.driver.num_samples = len(dataset)
         return self._loader
 
@@ -271,6 +274,7 @@ class AdaptiveBatchSize(Callback):
         self.driver.rank = trainer.global_rank  # only rank 0 asks the controller
         self.driver.min_useful = trainer.world_size * trainer.accumulate_grad_batches
         self.driver.start_clock()
+        self._check_batch_limit(trainer)
         self._validate_at_epoch_end(trainer)
         if self._measure and self.stats is None:
             check_measurable(trainer.world_size, trainer.accumulate_grad_batches,
@@ -285,6 +289,25 @@ class AdaptiveBatchSize(Callback):
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._validate_at_epoch_end(trainer)  # (re)loading dataloaders recomputes Lightning's schedule
+
+    @staticmethod
+    def _check_batch_limit(trainer: Any) -> None:
+        """``limit_train_batches`` counts micro-batches: a fraction of an epoch's batches has no meaning when
+        their number changes, and an int must end on a step boundary (else Lightning steps on a partial
+        accumulation and the next epoch replays part of it)."""
+        limit, accumulation = trainer.limit_train_batches, trainer.accumulate_grad_batches
+        if isinstance(limit, float) and limit != 1.0:
+            raise ValueError(
+                f"limit_train_batches={limit} is a fraction of the epoch's batches, and their number changes with "
+                "the batch size; pass an int (micro-batches per epoch, a multiple of accumulate_grad_batches) or "
+                "bound the run with max_steps."
+            )
+        if isinstance(limit, int) and limit % accumulation:
+            raise ValueError(
+                f"limit_train_batches={limit} is not a multiple of accumulate_grad_batches={accumulation}: the last "
+                f"optimizer step of each epoch would be cut short; use a multiple, e.g. "
+                f"{max(accumulation, limit - limit % accumulation)}."
+            )
 
     @staticmethod
     def _validate_at_epoch_end(trainer: Any) -> None:
@@ -389,10 +412,18 @@ class AdaptiveBatchSize(Callback):
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """The driver's counters, the controller's state and the gradient statistics' (the data position is
-        the loader's)."""
+        """The driver's counters, the controller's state, the gradient statistics' and the data position.
+
+        Lightning also saves the loader's own state, but restores it only when it resumes inside an epoch;
+        from a checkpoint saved at an epoch's end (``ModelCheckpoint``'s default) it would replay the first
+        epoch's order at the first size. The position kept here covers every case.
+        """
         stats = self.stats.state_dict() if self.stats is not None else self._stats_state
-        return {"driver": self.driver.state_dict(), "stats": stats}
+        if self._loader is not None and self._loader._loader is not None:
+            loader = self._loader.state_dict()
+        else:
+            loader = self._loader_state
+        return {"driver": self.driver.state_dict(), "stats": stats, "loader": loader}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (Lightning calls it when resuming from a checkpoint)."""
@@ -400,3 +431,6 @@ class AdaptiveBatchSize(Callback):
         self._stats_state = state_dict.get("stats")
         if self.stats is not None and self._stats_state is not None:
             self.stats.load_state_dict(self._stats_state)
+        self._loader_state = state_dict.get("loader")  # absent in checkpoints saved before it was kept here
+        if self._loader_state is not None and self._loader is not None:
+            self._loader.load_state_dict(self._loader_state)
