@@ -242,3 +242,35 @@ def compile_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> 
         dist.destroy_process_group()
         raise
     finish()
+
+
+def set_size_worker(rank: int, world_size: int, init_file: str, out_dir: str, broadcast: bool) -> None:
+    """Rank 0 alone picks a new size in a callback (after a rank-0-only evaluation, say). Passed through
+    ``broadcast_int`` on every rank, both ranks train it; set on rank 0 only, the ranks' next step differs
+    and every rank must stop with an error at that step's end instead of diverging or hanging."""
+    import batchpilot
+    from batchpilot import distributed as bpdist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    torch.manual_seed(0)
+    model = make_model()
+    pilot = batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.05), make_data(), batch_size=4)
+
+    def callback(p: batchpilot.Pilot, record: dict) -> None:
+        if p.step == 2:
+            if broadcast:
+                p.set_batch_size(bpdist.broadcast_int(8 if rank == 0 else -1))
+            elif rank == 0:
+                p.set_batch_size(8)
+
+    pilot.add_callback(callback)
+    sizes, error = [], None
+    try:
+        for x, y in pilot.batches(max_steps=5):
+            pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+            if pilot.micro_batch.is_last:
+                sizes.append(pilot.micro_batch.global_size)
+    except RuntimeError as err:
+        error = str(err)
+    Path(out_dir, f"set{rank}.json").write_text(json.dumps({"sizes": sizes, "error": error, "step": pilot.step}))
+    finish()

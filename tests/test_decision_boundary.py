@@ -43,6 +43,8 @@ FIX = r"a decision must be a whole number >= 1\. Fix the controller, or pass on_
         (np.int64(0), r"\(not positive\)"),
         (np.bool_(True), r"\(of type bool_?\)"),
         (torch.tensor(64), r"\(of type Tensor\)"),  # call .item() in the controller
+        (4e19, r"returned 4e\+19 \(larger than 4611686018427387904\)"),  # ranks exchange sizes as int64
+        (2**62 + 1, r"\(larger than 4611686018427387904\)"),
     ],
 )
 def test_invalid_values_raise_with_the_rule_and_the_fix(value, problem):

@@ -165,6 +165,19 @@ def test_one_rank_out_of_memory_makes_every_rank_run_the_step_again(tmp_path, wr
             torch.testing.assert_close(torch.tensor(w), torch.tensor(w_ref), rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_set_batch_size_on_rank_0_alone_stops_every_rank_and_broadcast_int_fixes_it(tmp_path, broadcast):
+    mp.spawn(h.set_size_worker, args=(2, str(tmp_path / "init"), str(tmp_path), broadcast), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"set{r}.json").read_text()) for r in range(2))
+    if broadcast:
+        assert r0 == r1 == {"sizes": [4, 4, 8, 8, 8], "error": None, "step": 5}
+    else:  # rank 0 trained 8 in the third step, rank 1 still 4: both stop at that step's end, unapplied
+        assert r0["sizes"] == [4, 4, 8] and r1["sizes"] == [4, 4, 4]
+        for r in (r0, r1):
+            assert r["step"] == 2
+            assert "different global sizes" in r["error"] and "broadcast_int" in r["error"]
+
+
 def test_the_oom_recovery_benchmark_runs_on_a_tiny_budget(tmp_path):
     out = tmp_path / "bench"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "oom_recovery.py"), "--workload", "synthetic",

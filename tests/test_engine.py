@@ -146,6 +146,78 @@ def test_lr_coupling_follows_the_batch_size_on_top_of_a_scheduler():
     assert opt.param_groups[0]["lr"] == pytest.approx(0.025)  # unscaled again after the loop
 
 
+def test_lr_factor_follows_the_samples_a_step_really_has():
+    # 10 samples at a decided size of 8: every epoch's second step has 2 samples, and its LR is scaled for 2.
+    ds, model = make_problem(n=10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=8, base_batch_size=2, lr_rule="linear")
+    used = []
+    for x, y in pilot.batches(max_steps=4):
+        if pilot.micro_batch.micro_index == 0:
+            used.append((pilot.micro_batch.global_size, opt.param_groups[0]["lr"]))
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    assert used == [(8, pytest.approx(0.4)), (2, pytest.approx(0.1))] * 2
+    assert pilot.last_record["batch/global_size"] == 2 and pilot.last_record["lr"] == pytest.approx(0.1)
+
+
+def test_set_batch_size_between_steps_is_bounded_logged_and_rescales_the_lr(tmp_path):
+    ds, model = make_problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=8, lr_rule="linear", max_batch_size=32,
+                             log_path=tmp_path / "log.jsonl")
+
+    def grow(p, record):
+        if p.step == 2:
+            p.set_batch_size(500)  # from a callback: between steps, inside batches()
+
+    pilot.add_callback(grow)
+    used = []
+    for x, y in pilot.batches(max_steps=4):
+        if pilot.micro_batch.micro_index == 0:
+            used.append((pilot.micro_batch.global_size, opt.param_groups[0]["lr"]))
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    assert used == [(8, pytest.approx(0.1)), (8, pytest.approx(0.1)), (32, pytest.approx(0.4)), (32, pytest.approx(0.4))]
+    pilot.close()
+    decisions = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    decisions = [d for d in decisions if d["type"] == "decision"]
+    assert [(d["step"], d["old_size"], d["new_size"], d["controller"], d["note"]) for d in decisions] == [
+        (2, 8, 32, "user", "clamped 500 down to max_size=32")]
+    pilot.set_batch_size(1)  # outside the loop too
+    assert pilot.batch_size == 1 and opt.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+def test_load_checkpoint_from_a_callback_rolls_back_with_the_right_lr(tmp_path):
+    # Roll back to the last checkpoint when the loss spikes: the loop goes on from the loaded position with
+    # the LR factor of its next step (it used to train at the unscaled LR, then fail in unscale()).
+    ds, model = make_problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=32, base_batch_size=8, lr_rule="linear",
+                             checkpoint_dir=tmp_path, checkpoint_every=2)
+    rolled = []
+
+    def rollback(p, record):
+        if p.step == 3 and not rolled:
+            rolled.append(p.load_checkpoint(tmp_path))
+
+    pilot.add_callback(rollback)
+    used = []
+    for x, y in pilot.batches(max_steps=5):
+        if pilot.micro_batch.micro_index == 0:
+            used.append((pilot.step, opt.param_groups[0]["lr"]))
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    assert rolled and rolled[0].name == "step-000000002.pt"
+    assert [s for s, _ in used] == [0, 1, 2, 2, 3, 4]
+    assert all(lr == pytest.approx(0.4) for _, lr in used)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+def test_reduce_lr_on_plateau_is_refused_with_the_way_to_use_it():
+    ds, model = make_problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="ReduceLROnPlateau.*callback"):
+        batchpilot.Pilot(model, opt, ds, batch_size=8, lr_schedulers=[torch.optim.lr_scheduler.ReduceLROnPlateau(opt)])
+
+
 def test_nonfinite_loss_skips_the_step_and_keeps_weights(tmp_path):
     ds, model = make_problem()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -613,6 +685,30 @@ def test_tensorboard_and_progress_bar(tmp_path, capsys):
     assert "loss" in events.Tags()["scalars"]
     err = capsys.readouterr().err
     assert "sample" in err and "B=16" in err  # the tqdm bar: samples, with the batch size in its postfix
+
+
+def test_tensorboard_after_a_resume_shows_each_step_once(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def pilot_for(model):
+        return batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), ds, batch_size=8,
+                                tensorboard_dir=tmp_path / "tb", checkpoint_dir=tmp_path / "ckpt", checkpoint_every=2)
+
+    ds, model = make_problem(64)
+    first = pilot_for(model)
+    for x, y in first.batches(max_steps=5):  # a crash after step 5: steps 3-5 are redone from step 2's checkpoint
+        first.backward(torch.nn.functional.cross_entropy(model(x), y))
+    first.close()
+    _, model = make_problem(64)
+    resumed = pilot_for(model)
+    assert resumed.load_checkpoint(tmp_path / "ckpt" / "step-000000002.pt") is not None
+    for x, y in resumed.batches(max_steps=6):
+        resumed.backward(torch.nn.functional.cross_entropy(model(x), y))
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [8, 16, 24, 32, 40, 48]
 
 
 def test_drop_last_reports_the_dropped_tail(tmp_path):

@@ -94,7 +94,7 @@ class Pilot:
             applied on top of ``lr_schedulers``.
         base_batch_size: The batch size at which the optimizer's LR is right (default: ``batch_size``).
         lr_knee: Knee of ``"linear-then-sqrt"``.
-        lr_schedulers: torch LR schedulers (stepped once per step) and/or
+        lr_schedulers: torch LR schedulers (stepped once per step; not ``ReduceLROnPlateau``) and/or
             :class:`~batchpilot.lr.SampleLRSchedule` (stepped with ``samples_seen``).
         shuffle, seed, drop_last: Data order (see :class:`~batchpilot.AdaptiveBatchSampler`).
         num_workers, collate_fn, pin_memory, prefetch_factor: Data loading (see
@@ -264,6 +264,13 @@ class Pilot:
         # AdaScale (Johnson et al. 2020): the LR gain comes from the gradient statistics of each step.
         self.adascale = AdaScaleLR(optimizer, base_batch_size or batch_size) if adascale else None
         self.lr_schedulers = list(lr_schedulers)
+        for scheduler in self.lr_schedulers:
+            if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                raise TypeError(
+                    "lr_schedulers holds a ReduceLROnPlateau, which steps on a metric, not once per step; "
+                    "keep it out of the Pilot and call its step(metric) yourself, e.g. from a callback "
+                    "(pilot.add_callback) after an evaluation."
+                )
         self.amp = amp
         self.scaler = torch.amp.GradScaler(self.device.type) if amp == "fp16" else None
         self.grad_clip = grad_clip
@@ -345,11 +352,25 @@ class Pilot:
         self._callbacks.append(fn)
 
     def set_batch_size(self, batch_size: int) -> None:
-        """Use ``batch_size`` from the next step on (overrides the controller's next decision)."""
-        self._override = check_batch_size(batch_size)
-        if self._micro is None:  # between steps: apply now
-            self.loader.set_batch_size(self._override)
-            self._override = None
+        """Use ``batch_size`` from the next step on (overrides the controller's next decision).
+
+        Like a controller's decision it is clamped to ``[min_batch_size, max_batch_size]`` and logged.
+        Under DDP every rank must call it with the same value (a callback runs on every rank; broadcast a
+        value only rank 0 knows with ``batchpilot.distributed.broadcast_int``); a mismatch is detected at the
+        end of the next step and stops every rank.
+        """
+        size = check_batch_size(batch_size)
+        if self._micro is not None:  # inside a step: the step's end applies it in place of a decision
+            self._override = size
+            return
+        current = self.loader.batch_size
+        new, note = validate_decision(size, current=current, min_size=self.min_batch_size,
+                                      max_size=self.max_batch_size, source="set_batch_size()")
+        self._log_decision(current, new, "user", note, self.last_record)
+        self.loader.set_batch_size(new)
+        if self.coupling.is_scaled:  # inside batches(): the next step's LR follows its size
+            self.coupling.unscale()
+            self.coupling.scale(self.loader.next_step_size())
 
     # ------------------------------------------------------------------ the loop
     def batches(
@@ -379,7 +400,7 @@ class Pilot:
             )
 
         if self._couple and not self.coupling.is_scaled:
-            self.coupling.scale(self.batch_size)
+            self.coupling.scale(self.loader.next_step_size())
         self._step_clock = time.perf_counter()
         try:
             while not done():
@@ -581,7 +602,16 @@ class Pilot:
                        zip(read_scalars([loss for loss, _ in self._micro_losses]), self._micro_losses))
         self._micro_losses.clear()
         if self.world_size > 1:
-            loss_sum = float(bpdist.all_reduce_sum(torch.tensor([loss_sum], dtype=torch.float64))[0])
+            # The step's size rides along (no extra collective): every rank must have trained the same one.
+            totals = bpdist.all_reduce_sum(torch.tensor([loss_sum, size, size * size], dtype=torch.float64))
+            loss_sum = float(totals[0])
+            if float(totals[1]) != self.world_size * size or float(totals[2]) != self.world_size * size * size:
+                raise RuntimeError(
+                    f"the ranks trained steps of different global sizes (this rank, {self.rank}: {size}; the mean "
+                    f"over ranks: {float(totals[1]) / self.world_size:g}). Under DDP call set_batch_size() on every "
+                    "rank with the same value (broadcast a value only rank 0 knows with "
+                    "batchpilot.distributed.broadcast_int)."
+                )
         loss = loss_sum / size
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
@@ -658,9 +688,9 @@ class Pilot:
         self._micro = None  # between steps from here on
         self._decide(record)
         if self._couple:
-            self.coupling.scale(self.batch_size)
+            self.coupling.scale(self.loader.next_step_size())
         for fn in self._callbacks:
-            fn(self, record)
+            fn(self, record)  # may set_batch_size() or load_checkpoint(): both re-apply the LR factor
         if self.checkpoint_every is not None and self.step % self.checkpoint_every == 0:
             self.save_checkpoint()
         self._step_clock = time.perf_counter()
@@ -699,47 +729,58 @@ class Pilot:
                 torch._foreach_mul_(grads, threshold / (norm + 1e-6))
 
     def _decide(self, record: dict[str, Any]) -> None:
+        """The next step's size: a set_batch_size() made inside the step, else the controller when due. When
+        the controller is due, rank 0's answer (its override, else its controller's) is broadcast."""
         current = self.loader.batch_size
-        if self._override is not None:
-            new, note, source = self._override, "set_batch_size() override", "user"
-            self._override = None
-        elif self.controller is not None and self.step % self.decide_every == 0:
-            source = controller_name(self.controller)
-            new, note = current, None
-            if self._lead:
-                try:
-                    raw = self.controller.decide(self._observation(current))
+        override, self._override = self._override, None
+        due = self.controller is not None and self.step % self.decide_every == 0
+        if override is None and not due:
+            return
+        source = "user" if override is not None else controller_name(self.controller)
+        new, note = current, None
+        if self._lead or not due:
+            try:
+                if override is not None:
+                    new, note = validate_decision(override, current=current, min_size=self.min_batch_size,
+                                                  max_size=self.max_batch_size, source="set_batch_size()")
+                    note = note or "set_batch_size() override"
+                else:
+                    assert self.controller is not None  # due
                     new, note = validate_decision(
-                        raw,
+                        self.controller.decide(self._observation(current)),
                         current=current,
                         min_size=self.min_batch_size,
                         max_size=self.max_batch_size,
                         on_invalid=self.on_invalid,
                         source=source,
                     )
-                except Exception:
+            except Exception:
+                if due:
                     bpdist.broadcast_int(-1)  # tell the other ranks, so they fail too instead of hanging
-                    raise
+                raise
+        if due:
             new = bpdist.broadcast_int(new)
             if new < 1:
                 raise RuntimeError("rank 0's controller failed (see rank 0's error); stopping this rank too.")
-        else:
-            return
-        if new != current or note is not None:
-            decision = {
-                "step": self.step,
-                "samples_seen": self.samples_seen,
-                "old_size": current,
-                "new_size": new,
-                "controller": source,
-                "reason": getattr(self.controller, "reason", None) if source != "user" else None,
-                "note": note,
-                "inputs": {k: record[k] for k in ("loss", "perf/samples_per_s", "epoch", "coverage", "grad/norm")},
-            }
-            self.last_decision = decision
-            if self._log is not None:
-                self._log.write("decision", decision)
+        self._log_decision(current, new, source, note, record)
         self.loader.set_batch_size(new)
+
+    def _log_decision(self, current: int, new: int, source: str, note: str | None, record: dict[str, Any]) -> None:
+        if new == current and note is None:
+            return
+        decision = {
+            "step": self.step,
+            "samples_seen": self.samples_seen,
+            "old_size": current,
+            "new_size": new,
+            "controller": source,
+            "reason": getattr(self.controller, "reason", None) if source != "user" else None,
+            "note": note,
+            "inputs": {k: record.get(k) for k in ("loss", "perf/samples_per_s", "epoch", "coverage", "grad/norm")},
+        }
+        self.last_decision = decision
+        if self._log is not None:
+            self._log.write("decision", decision)
 
     def _observation(self, current: int) -> Observation:
         epoch, offset, _ = self.loader.position()
@@ -821,6 +862,9 @@ class Pilot:
         if problems:
             raise CheckpointError("the checkpoint does not fit this Pilot (nothing was loaded):\n  - "
                                   + "\n  - ".join(problems))
+        in_loop = self.coupling.is_scaled  # loaded between steps of batches() (from a callback)
+        if in_loop:
+            self.coupling.unscale()
         p = state["pilot"]
         self.step, self.samples_seen, self.skipped_steps = int(p["step"]), int(p["samples_seen"]), int(p["skipped_steps"])
         self._losses = collections.deque(p["losses"], maxlen=self._losses.maxlen)
@@ -834,6 +878,12 @@ class Pilot:
         restore_rng_states(state["rng"], self.rank, self.world_size)
         if self._log is not None and state["log_position"] is not None:
             self._log.truncate(state["log_position"])
+        if self._tb is not None:
+            self._tb.resume_after(self.samples_seen)
+        if in_loop:  # the loop goes on with the loaded position: its next step's LR factor
+            if self.coupling.is_scaled:
+                self.coupling.unscale()
+            self.coupling.scale(self.loader.next_step_size())
 
     def save_checkpoint(self, path: str | os.PathLike | None = None) -> Path | None:
         """Save :meth:`state_dict` atomically (rank 0 writes; every rank must call).
@@ -851,7 +901,7 @@ class Pilot:
             state = self.state_dict()
         finally:
             if scaled:
-                self.coupling.scale(self.batch_size)
+                self.coupling.scale(self.loader.next_step_size())
         written = None
         if self._lead:
             written = save_checkpoint(path, state)

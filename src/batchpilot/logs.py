@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -79,22 +80,34 @@ class AdjustmentLog:
 def read_log(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Read an adjustment log back as a list of records.
 
+    A last line cut off by a crash (a record half written) is skipped with a warning.
+
     Raises:
         FileNotFoundError: no such file.
-        ValueError: the file is empty or a line is not JSON (the message names the line).
+        ValueError: the file is empty, not UTF-8 text, or a line other than the last is not JSON (the message
+            names the line).
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"adjustment log {str(path)!r} does not exist.")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); is this a "
+                         "batchpilot log?") from exc
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     records = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
+    for index, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if index == last and records:
+                warnings.warn(f"{str(path)!r}: skipped its last line, which is not JSON ({exc.msg}): a record cut "
+                              "off when the run stopped.", stacklevel=2)
                 continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{str(path)!r} line {number} is not JSON ({exc.msg}); is this a batchpilot log?") from exc
+            raise ValueError(f"{str(path)!r} line {index + 1} is not JSON ({exc.msg}); is this a batchpilot log?") from exc
     if not records:
         raise ValueError(f"adjustment log {str(path)!r} is empty.")
     return records
@@ -114,7 +127,14 @@ class TensorBoardSink:
             raise ImportError(
                 'tensorboard_dir needs TensorBoard: pip install "batchpilot[tensorboard]"'
             ) from exc
-        self._writer = SummaryWriter(log_dir=str(log_dir))
+        self._writer_class, self._log_dir = SummaryWriter, str(log_dir)
+        self._writer = SummaryWriter(log_dir=self._log_dir)
+
+    def resume_after(self, samples_seen: int) -> None:
+        """Continue after a resume from ``samples_seen``: TensorBoard hides the points a crashed run wrote
+        beyond it (the resumed run writes them again), as the JSONL log truncates its records."""
+        self._writer.close()
+        self._writer = self._writer_class(log_dir=self._log_dir, purge_step=int(samples_seen) + 1)
 
     def write(self, record: dict[str, Any]) -> None:
         x = int(record["samples_seen"])

@@ -23,7 +23,8 @@ class Observation:
         samples_seen: Samples consumed since the start of training, over all ranks.
         epoch: Full passes over the data completed.
         coverage: Fraction of the current pass consumed, in ``[0, 1)``.
-        batch_size: The global batch size of the step that just finished.
+        batch_size: The global batch size in force: what the last decision set. An epoch's final step may
+            have had fewer samples (the log's ``batch/global_size`` has those).
         num_samples: Dataset length (so a controller can reason in epochs).
         losses: Mean training loss of recent steps, oldest first (at most ``Pilot.loss_history``).
         samples_per_s: Recent training throughput (samples per second over all ranks), if measured.
@@ -86,7 +87,8 @@ def validate_decision(
         value: What the controller returned.
         current: The current global batch size (kept when ``on_invalid="keep"``).
         min_size, max_size: Optional bounds; a valid value outside them is clamped (and noted).
-        on_invalid: ``"raise"`` (default) rejects 0, negatives, NaN/inf, bools and non-integers;
+        on_invalid: ``"raise"`` (default) rejects 0, negatives, NaN/inf, bools, non-integers and sizes above
+            ``MAX_DECISION`` (2**62);
             ``"keep"`` keeps ``current`` instead and logs a warning.
         source: Name of the controller, for messages.
 
@@ -111,19 +113,27 @@ def validate_decision(
     return size, None
 
 
+MAX_DECISION = 2**62
+"""Larger decisions are invalid: no dataset is that large, and a size must fit the int64 that ranks exchange."""
+
+
 def _problem(value: Any) -> str | None:
     if isinstance(value, bool):
         return "a bool"
     if isinstance(value, numbers.Integral):
-        return None if int(value) >= 1 else "not positive"
-    if isinstance(value, numbers.Real):
-        v = float(value)
-        if math.isnan(v) or math.isinf(v):
+        v = int(value)
+    elif isinstance(value, numbers.Real):
+        f = float(value)
+        if math.isnan(f) or math.isinf(f):
             return "not finite"
-        if not v.is_integer():
+        if not f.is_integer():
             return "not a whole number"
-        return None if v >= 1 else "not positive"
-    return f"of type {type(value).__name__}"
+        v = int(f)
+    else:
+        return f"of type {type(value).__name__}"
+    if v < 1:
+        return "not positive"
+    return None if v <= MAX_DECISION else f"larger than {MAX_DECISION}"
 
 
 def check_controller(value: Any) -> None:
