@@ -208,6 +208,75 @@ def test_a_loss_normalised_by_num_items_keeps_trainers_item_counting(tmp_path):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
 
 
+class SoftLabels(PointSet):
+    """PointSet with float labels (one-hot class probabilities), which cannot be masked with -100."""
+
+    def __getitem__(self, i: int) -> dict:
+        item = super().__getitem__(i)
+        return {**item, "labels": torch.nn.functional.one_hot(self.y[i], 2).double()}
+
+
+def test_ghost_micro_batches_add_nothing_with_float_labels_and_num_items(tmp_path):
+    # Ghosts (sizes 1 and 2 over 3 accumulation steps) carry a borrowed row whose float labels -100 cannot
+    # hide from the forward: its loss must be multiplied by 0 and its labels left out of the item count.
+    data, model = SoftLabels(61), Recorder()
+
+    def summed_loss(outputs, labels, num_items_in_batch):  # num_items counts both label columns of a row
+        return torch.nn.functional.cross_entropy(outputs["logits"], labels, reduction="sum") / num_items_in_batch
+
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=SizeList(SIZES), model=model, train_dataset=data, compute_loss_func=summed_loss,
+        args=quiet_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=3, num_train_epochs=1,
+                        **exact_sgd()),
+    )
+    steps = record_steps(trainer)
+    trainer.train()
+    assert any(s.ghosts for s in steps)
+    reference = Recorder()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for s in steps:  # the mean over the step's rows of CE / 2 (two label entries per row)
+        idx = torch.as_tensor(s.indices)
+        optimizer.zero_grad()
+        (reference(data.x[idx], data.y[idx])["loss"] / 2).backward()
+        optimizer.step()
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+
+
+def test_a_fractional_epoch_count_stops_at_exactly_that_many_samples(tmp_path):
+    data, model = PointSet(61), Recorder()
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=SizeList([16]), model=model, train_dataset=data,
+        args=quiet_args(tmp_path, per_device_train_batch_size=16, num_train_epochs=1.5, **exact_sgd()),
+    )
+    steps = record_steps(trainer)
+    trainer.train()
+    total = math.ceil(1.5 * 61)  # 92
+    assert [s.global_size for s in steps] == [16, 16, 16, 13, 16, 15]  # an epoch's tail, then the 92nd sample
+    assert trainer.batchpilot.samples_seen == total and sum(len(c) for c in model.seen) == total
+    assert trainer.state.epoch == pytest.approx(total / 61)
+
+
+def test_user_callbacks_see_the_step_counted_and_each_train_call_starts_the_controller_afresh(tmp_path):
+    seen = []
+
+    class Watch(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            seen.append((trainer.batchpilot.samples_seen, state.epoch, trainer.batchpilot.batch_size))
+
+    controller = SizeList([8, 12, 16])
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=controller, model=Recorder(), train_dataset=PointSet(40), callbacks=[Watch()],
+        args=quiet_args(tmp_path, per_device_train_batch_size=4, num_train_epochs=1, **exact_sgd()),
+    )
+    trainer.train()
+    assert seen == [(4, 0.1, 8), (12, 0.3, 12), (24, 0.6, 16), (40, 1.0, 8)]
+    first = list(seen)
+    seen.clear()
+    trainer.train()  # again, not resumed: the same sizes (the controller starts from its state at construction)
+    assert seen == first and controller.i == 4
+
+
 # --------------------------------------------------------------------------------------------- memory bound
 @pytest.mark.parametrize("loss", ["mean", "num_items"])
 def test_max_micro_batch_size_cuts_micro_batches_and_keeps_the_gradient_exact(tmp_path, loss):

@@ -34,6 +34,7 @@ class BatchpilotCallback(TrainerCallback):
                 "batchpilot state says %d steps but the Trainer state says %d; continuing from the data position",
                 run.driver.step, state.global_step,
             )
+        run.apply_size()  # a first step beyond num_train_epochs gets only the samples left
         run.start_coupling(trainer.optimizer)
         trainer._bp_seen_at_start = run.samples_seen
         state.epoch = run.virtual_epoch

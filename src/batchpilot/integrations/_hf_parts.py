@@ -126,8 +126,8 @@ def is_hf_dataset(dataset: Any) -> bool:
 
 
 def mask_labels(data: Any) -> Any:
-    """A ghost micro-batch with ``labels`` set to -100 (ignored), so it adds no items and no loss."""
-    if isinstance(data, dict) and isinstance(data.get("labels"), torch.Tensor) and not data["labels"].is_floating_point():
+    """A ghost micro-batch with ``labels`` set to -100, which Trainer's item count skips (float labels too)."""
+    if isinstance(data, dict) and isinstance(data.get("labels"), torch.Tensor):
         return {**data, "labels": torch.full_like(data["labels"], -100)}
     return data
 

@@ -83,6 +83,7 @@ class HFRun:
         self.stats: Any = None  # a StepStats when the controller reads gradient statistics
         self.max_micro_batch_size = max_micro_batch_size
         self.oom_replays = 0  # steps run again after running out of memory (this train() call)
+        self.decided: int | None = None  # the controller's last size (the loader's may be cut to the samples left)
 
     # ------------------------------------------------------------------ progress (read by logs and users)
     @property
@@ -167,15 +168,27 @@ class HFRun:
         return self.last_loss
 
     def decide(self, stats: Mapping[str, float] | None = None) -> int:
-        """Ask the driver for the next size (rank 0 decides, all apply) and set it on the loader."""
+        """Ask the driver for the next size (rank 0 decides, all apply) and set it on the loader.
+
+        With ``total_samples`` (``num_train_epochs``) the last step gets only the samples left, so training
+        ends exactly there; the controller keeps seeing (and the checkpoint keeps) its own decision.
+        """
         epoch, offset, _ = self.loader.position()
-        new = self.driver.decide(
-            self.loader.batch_size, epoch=epoch, coverage=offset / self.loader.sampler.num_samples, stats=stats
+        current = self.decided if self.decided is not None else self.loader.batch_size
+        new = self.decided = self.driver.decide(
+            current, epoch=epoch, coverage=offset / self.loader.sampler.num_samples, stats=stats
         )
-        self.loader.set_batch_size(new)  # rewinds whatever was prefetched at the old size
+        self.apply_size()
         if self.coupling is not None:
-            self.coupling.scale(new)
+            self.coupling.scale(self.loader.next_step_size())
         return new
+
+    def apply_size(self) -> None:
+        """Set the loader to the decided size, cut to the samples left before ``total_samples`` (call between
+        steps; rewinds whatever was prefetched at another size)."""
+        size = self.decided if self.decided is not None else self.loader.batch_size
+        left = None if self.total_samples is None else self.total_samples - self.driver.samples_seen
+        self.loader.set_batch_size(left if left is not None and 0 < left < size else size)
 
     # ------------------------------------------------------------------ LR coupling
     def start_coupling(self, optimizer: torch.optim.Optimizer) -> None:
@@ -186,7 +199,7 @@ class HFRun:
         if self._coupling_state is not None:
             self.coupling.load_state_dict(self._coupling_state)  # the loaded optimizer holds the scaled LRs
         if not self.coupling.is_scaled:
-            self.coupling.scale(self.loader.batch_size)
+            self.coupling.scale(self.loader.next_step_size())
 
     def unscale_lr(self) -> None:
         """Give the LR schedulers the schedule's own LR back (after the optimizer step)."""
@@ -204,6 +217,7 @@ class HFRun:
             "world_size": self.world_size,
             "stats": None if self.stats is None else self.stats.state_dict(),
             "max_micro_batch_size": self.max_micro_batch_size,
+            "decided": self.decided,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -215,3 +229,4 @@ class HFRun:
             self.stats.load_state_dict(state["stats"])
         if state.get("max_micro_batch_size") is not None:  # a bound lowered after running out of memory stays
             self.max_micro_batch_size = int(state["max_micro_batch_size"])
+        self.decided = None if state.get("decided") is None else int(state["decided"])

@@ -35,6 +35,7 @@ How it fits the Trainer (transformers 5.x, accelerate 1.x):
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 import math
@@ -152,6 +153,9 @@ class AdaptiveBatchSizeTrainer(Trainer):
         )
         self._bp_lr = (lr_rule, lr_knee)
         driver = self._new_driver(num_samples=1)  # validate the settings now, not at train() time
+        # Each train() that does not resume starts the controller afresh (a second call, hyperparameter_search)
+        # from the state it had here; a resumed one loads the checkpoint's.
+        self._bp_controller_start = None if driver.controller is None else copy.deepcopy(driver.controller.state_dict())
         if noise_every is not None:
             check_positive_int(noise_every, "noise_every")
         if max_micro_batch_size is not None:
@@ -181,9 +185,15 @@ class AdaptiveBatchSizeTrainer(Trainer):
         self._bp_inputs: list[Any] = []
         self._bp_next = 0
         self._bp_failed_rows = 0
+        self._bp_ghost = False  # the pass in flight is a ghost micro-batch's (compute_loss zeroes its loss)
         self._bp_grad_norm: float | None = None
         self._bp_seen_at_start = 0
-        self.add_callback(BatchpilotCallback(self))
+        # Before the user's callbacks (Trainer(callbacks=[...]) added them already): theirs then see the step
+        # counted, the coverage-based state.epoch and the next size. Trainer's own flow callback stays first.
+        ours = BatchpilotCallback(self)
+        callbacks = self.callback_handler.callbacks
+        flow = [i for i, c in enumerate(callbacks) if type(c).__name__ == "DefaultFlowCallback"]
+        callbacks.insert(flow[0] + 1 if flow else 0, ours)
         if self.pop_callback(ProgressCallback) is not None:
             self.add_callback(SampleProgressCallback(lambda: self.batchpilot))
 
@@ -199,10 +209,14 @@ class AdaptiveBatchSizeTrainer(Trainer):
         return self.args.per_device_train_batch_size * self.data_parallel_size * self.args.gradient_accumulation_steps
 
     def _new_driver(self, num_samples: int) -> SizeDriver:
-        return SizeDriver(
+        driver = SizeDriver(
             batch_size=self.initial_batch_size, num_samples=num_samples, rank=self.args.process_index,
             **self._bp_options,
         )
+        start = getattr(self, "_bp_controller_start", None)
+        if start is not None and driver.controller is not None:
+            driver.controller.load_state_dict(copy.deepcopy(start))
+        return driver
 
     # ------------------------------------------------------------------ training entry
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
@@ -377,14 +391,13 @@ class AdaptiveBatchSizeTrainer(Trainer):
             run.stats.attach(self.model_wrapped)  # DDP exists by now (Trainer wraps after on_train_begin)
             run.stats.begin_step(run.driver.step, micro[0].global_size)
         data = [m.data for m in micro]
-        owns_scaling = self._loss_owns_scaling()
-        if owns_scaling:
-            # A user loss normalised by num_items_in_batch: count items, with ghost micro-batches masked out.
-            data = [mask_labels(d) if m.ghost else d for d, m in zip(data, micro)]
         self._bp_inputs = data  # Trainer holds them for the step too; a replay after running out of memory reads them
-        if not owns_scaling:
+        if not self._loss_owns_scaling():
             return data, None  # the divisors weight each micro-batch (training_step)
-        return data, self._get_num_items_in_batch(data, device)
+        # A loss normalised by num_items_in_batch: count the items without the ghost micro-batches (their
+        # labels read as -100 for the count; their loss is multiplied by 0 in compute_loss).
+        counted = [mask_labels(d) if m.ghost else d for d, m in zip(data, micro)]
+        return data, self._get_num_items_in_batch(counted, device)
 
     def _bp_active(self) -> tuple[HFRun, StepRecord]:
         """The run and its step in flight, inside a training step that batchpilot planned."""
@@ -451,8 +464,12 @@ class AdaptiveBatchSizeTrainer(Trainer):
             # All pieces but the last accumulate without DDP's all-reduce (the last one does what Trainer set).
             sync = self.accelerator.no_sync(model) if i < len(pieces) - 1 else contextlib.nullcontext()
             self._bp_failed_rows = n
-            with sync:
-                piece_loss = super().training_step(model, part, num_items_in_batch)
+            self._bp_ghost = size == 0
+            try:
+                with sync:
+                    piece_loss = super().training_step(model, part, num_items_in_batch)
+            finally:
+                self._bp_ghost = False
             if stats is not None:
                 own = n if size else 0  # a ghost's borrowed row is not a sample of this rank
                 if own:
@@ -464,6 +481,19 @@ class AdaptiveBatchSizeTrainer(Trainer):
             loss = piece_loss if loss is None else loss + piece_loss
         assert loss is not None  # split_rows returns at least one piece
         return loss
+
+    def compute_loss(self, model: torch.nn.Module, inputs: Any, return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        """``Trainer.compute_loss``; a ghost micro-batch's loss (a borrowed row, run only so that every rank
+        makes the same passes) is multiplied by 0, whatever the labels and the loss function."""
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        if not self._bp_ghost:
+            return result
+        if return_outputs:
+            loss, outputs = result
+            return loss * 0.0, outputs
+        return result * 0.0
 
     def _bp_replay_step(self, model: torch.nn.Module, error: str) -> None:
         """Drop the step's gradients and lower the pass bound to half the rows that failed."""
