@@ -352,6 +352,60 @@ def test_report_bad_log_exits_2(tmp_path, capsys, content, fragment):
     assert fragment in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("results, fragment", [
+    ({"runs": 5}, "'runs' must be a list of objects"),
+    ({"runs": [{}]}, "run 0 lacks policy"),
+    ({"runs": [{"policy": "static:32", "seed": 0}]}, "run 0 lacks time_to_target_s"),
+])
+def test_report_on_a_malformed_results_json_exits_2(tmp_path, capsys, results, fragment):
+    path = tmp_path / "results.JSON"  # the suffix in any case
+    path.write_text(json.dumps(results))
+    with pytest.raises(SystemExit) as info:
+        main(["report", str(path), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and fragment in err and "Traceback" not in err
+
+
+def test_a_log_cut_off_by_a_crash_is_plotted_and_a_foreign_file_named(tmp_path, capsys):
+    log = tmp_path / "run.jsonl"
+    _write_log(log, steps=6)
+    log.write_text(log.read_text() + '{"type": "step", "step": 7, "samp')  # the record being written
+    with pytest.warns(UserWarning, match="skipped its last line"):
+        paths = plot_log(log, tmp_path / "plots")
+    assert len(paths) == 3
+    log.write_text('{"type": "step"\n' + log.read_text())  # a broken line that is not the last one
+    with pytest.raises(ValueError, match="line 1 is not JSON"):
+        plot_log(log, tmp_path / "plots")
+    log.write_bytes(b"\xff\xfe binary")
+    with pytest.raises(ValueError, match="is not UTF-8 text"):
+        plot_log(log, tmp_path / "plots")
+
+
+def test_the_batch_size_plot_holds_each_size_over_the_samples_of_its_step(tmp_path, monkeypatch):
+    # x is samples_seen after a step: its size must span (previous x, x], starting from 0.
+    import matplotlib.axes
+
+    drawn = []
+    original = matplotlib.axes.Axes.step
+    monkeypatch.setattr(matplotlib.axes.Axes, "step",
+                        lambda self, x, y, *a, **k: drawn.append((list(x), list(y), k.get("where"))) or original(
+                            self, x, y, *a, **k))
+    log = tmp_path / "run.jsonl"
+    rows = [(100, 100), (200, 100), (300, 100), (700, 400), (1100, 400)]
+    log.write_text("\n".join(json.dumps({"type": "step", "step": i + 1, "samples_seen": seen, "batch/global_size": b,
+                                          "loss": 1.0, "lr": 0.1}) for i, (seen, b) in enumerate(rows)) + "\n")
+    plot_log(log, tmp_path / "plots")
+    assert drawn == [([0, 100, 200, 300, 700, 1100], [100, 100, 100, 100, 400, 400], "pre")]
+
+
+def test_bench_refuses_sizes_beyond_the_training_set(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--workload", "synthetic", "--policies", "static:99999", "--quick", "--seeds", "1",
+              "--out", str(tmp_path), "--no-progress"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "static:99999 (99999)" in err and "Use sizes up to 4096" in err
+
+
 def test_missing_matplotlib_names_the_extra(monkeypatch, tmp_path):
     log = tmp_path / "run.jsonl"
     _write_log(log, steps=3)

@@ -197,19 +197,24 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .bench.report import plot_log, write_report
+    from .bench.report import check_results, plot_log, write_report
 
     path = Path(args.log)
     out = Path(args.out) if args.out is not None else path.parent
     try:
-        if path.suffix == ".json":
+        if path.suffix.lower() == ".json":
             try:
                 results = json.loads(path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{str(path)!r} is not JSON ({exc.msg}); pass a bench results.json.") from exc
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ValueError(f"{str(path)!r} is not JSON ({exc}); pass a bench results.json.") from exc
             if not isinstance(results, dict) or "runs" not in results:
                 raise ValueError(f"{str(path)!r} is not a bench results.json (no 'runs'); pass an adjustment log .jsonl.")
-            written = list(write_report(results, out).values())
+            check_results(results, path)
+            try:
+                written = list(write_report(results, out).values())
+            except (KeyError, TypeError, AttributeError) as exc:  # a field of the wrong kind
+                raise ValueError(f"{str(path)!r} is not a well-formed bench results.json ({type(exc).__name__}: "
+                                 f"{exc}); pass one written by `batchpilot bench`.") from exc
         else:
             written = plot_log(path, out, x=args.x)
     except (FileNotFoundError, ValueError, ImportError) as exc:

@@ -249,7 +249,10 @@ def plot_log(log_path: str | os.PathLike, out_dir: str | os.PathLike, x: str = "
         ys = [_num(r.get(key)) for r in steps]
         fig, ax = plt.subplots(figsize=(8, 4))
         if key == "batch/global_size":
-            ax.step(xs, ys, where="post", lw=1.5)
+            # A step's x is where it ended: its size holds over (previous x, x]. The first step starts at
+            # its samples_seen less its size (0 unless the log starts after a resume), or at time 0.
+            start = xs[0] - ys[0] if x == "samples" else 0.0
+            ax.step([start, *xs], [ys[0], *ys], where="pre", lw=1.5)
             # Mark where a decision changed the size (it applies from the next step on).
             x_of_step = {r.get("step"): xv for r, xv in zip(steps, xs)}
             marks = [(x_of_step[d["step"]], _num(d.get("new_size"))) for d in decisions

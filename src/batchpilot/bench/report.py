@@ -200,6 +200,22 @@ def _markdown(results: dict[str, Any], plots: dict[str, Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
+RUN_KEYS = ("policy", "seed", "time_to_target_s", "steps_to_target", "samples_to_target", "final_accuracy", "wall_s")
+
+
+def check_results(results: Any, path: str | os.PathLike = "results.json") -> None:
+    """Raise a ``ValueError`` naming what is missing when ``results`` is not a complete bench results.json:
+    the runs :func:`write_report` reads (summaries and targets are recomputed from them)."""
+    where = f"{str(path)!r} is not a complete bench results.json"
+    runs = results.get("runs")
+    if not isinstance(runs, list) or not all(isinstance(r, dict) for r in runs):
+        raise ValueError(f"{where}: 'runs' must be a list of objects; pass one written by `batchpilot bench`.")
+    for i, run in enumerate(runs):
+        missing = [k for k in RUN_KEYS if k not in run]
+        if missing:
+            raise ValueError(f"{where}: run {i} lacks {', '.join(missing)}.")
+
+
 def write_report(results: dict[str, Any], out_dir: str | os.PathLike) -> dict[str, Path]:
     """Write ``report.md`` and the plots into ``out_dir``.
 
