@@ -125,10 +125,14 @@ def is_hf_dataset(dataset: Any) -> bool:
     return datasets is not None and isinstance(dataset, datasets.Dataset)
 
 
-def mask_labels(data: Any) -> Any:
-    """A ghost micro-batch with ``labels`` set to -100, which Trainer's item count skips (float labels too)."""
-    if isinstance(data, dict) and isinstance(data.get("labels"), torch.Tensor):
-        return {**data, "labels": torch.full_like(data["labels"], -100)}
+def mask_labels(data: Any, floats: bool = False) -> Any:
+    """A ghost micro-batch with ``labels`` set to -100, which losses ignore and Trainer's item count skips.
+
+    Float labels (regression, soft labels) are masked only with ``floats=True``, for the count: in a forward
+    -100 would be a value, not a mark."""
+    labels = data.get("labels") if isinstance(data, dict) else None
+    if isinstance(labels, torch.Tensor) and (floats or not labels.is_floating_point()):
+        return {**data, "labels": torch.full_like(labels, -100)}
     return data
 
 

@@ -391,12 +391,14 @@ class AdaptiveBatchSizeTrainer(Trainer):
             run.stats.attach(self.model_wrapped)  # DDP exists by now (Trainer wraps after on_train_begin)
             run.stats.begin_step(run.driver.step, micro[0].global_size)
         data = [m.data for m in micro]
+        owns_scaling = self._loss_owns_scaling()
+        if owns_scaling:  # a loss normalised by num_items_in_batch: ghosts' integer labels -100 add no loss
+            data = [mask_labels(d) if m.ghost else d for d, m in zip(data, micro)]
         self._bp_inputs = data  # Trainer holds them for the step too; a replay after running out of memory reads them
-        if not self._loss_owns_scaling():
+        if not owns_scaling:
             return data, None  # the divisors weight each micro-batch (training_step)
-        # A loss normalised by num_items_in_batch: count the items without the ghost micro-batches (their
-        # labels read as -100 for the count; their loss is multiplied by 0 in compute_loss).
-        counted = [mask_labels(d) if m.ghost else d for d, m in zip(data, micro)]
+        # Count the items without the ghosts, float labels too (compute_loss multiplies a ghost's loss by 0).
+        counted = [mask_labels(d, floats=True) if m.ghost else d for d, m in zip(data, micro)]
         return data, self._get_num_items_in_batch(counted, device)
 
     def _bp_active(self) -> tuple[HFRun, StepRecord]:
