@@ -604,3 +604,76 @@ def test_loader_loops_left_anywhere_keep_data_with_indices_and_epochs_exact(num_
     finished = sorted(consumed)[:-1]
     assert len(finished) == 4
     assert all(sorted(consumed[e]) == list(range(n)) for e in finished)
+
+
+@pytest.mark.parametrize("num_workers, micro", [(0, 2), (2, None)])
+def test_set_epoch_after_a_loop_left_early_starts_that_epoch(num_workers, micro):
+    """The DistributedSampler pattern with a break: planned (prefetched, or the rest of a step) micro-batches
+    must not undo the user's set_epoch."""
+    from torch.utils.data import TensorDataset
+
+    from batchpilot import AdaptiveDataLoader
+
+    loader = AdaptiveDataLoader(TensorDataset(torch.arange(40)), 4, max_micro_batch_size=micro,
+                                num_workers=num_workers, seed=3)
+    for epoch in range(3):
+        loader.sampler.set_epoch(epoch)
+        first = None
+        for i, m in enumerate(loader):
+            first = first or (m.epoch, m.offset)
+            if i == 2:
+                break
+        assert first == (epoch, 0)
+    loader.sampler.set_epoch(2)  # the epoch of the next step already: resume-safe no-op
+    assert next(iter(loader)).epoch == 2 and loader.position()[1] > 0
+    loader.close()
+
+
+def test_an_iterable_dataset_is_refused_even_with_a_length():
+    from batchpilot import AdaptiveDataLoader
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(10))
+
+        def __len__(self):
+            return 10
+
+    with pytest.raises(TypeError, match="IterableDataset.*map-style"):
+        AdaptiveDataLoader(Stream(), 4)
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Random augmentation in __getitem__, from torch, numpy and random."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        import random as pyrandom
+
+        return torch.tensor([i + torch.rand(()).item(), np.random.rand(), pyrandom.random()])
+
+
+def test_worker_augmentation_depends_on_the_position_not_on_workers_or_a_resume():
+    from batchpilot import AdaptiveDataLoader
+
+    def epoch_data(num_workers, resume_after=None):
+        loader = AdaptiveDataLoader(Augmented(), 4, num_workers=num_workers, seed=2)
+        out = []
+        for m in loader:
+            out.append(m.data)
+            if resume_after is not None and len(out) == resume_after:
+                state = loader.state_dict()
+                loader.close()
+                loader = AdaptiveDataLoader(Augmented(), 4, num_workers=num_workers, seed=2)  # a new process
+                loader.load_state_dict(state)
+                out += [m.data for m in loader]
+                break
+        loader.close()
+        return torch.cat(out)
+
+    one, two = epoch_data(1), epoch_data(2)
+    assert torch.equal(one, two)  # whichever worker fetched a micro-batch, it drew the same numbers
+    assert torch.equal(epoch_data(2, resume_after=3), two)
+    assert len(set(one[:, 1].tolist())) == 24  # numpy is seeded per micro-batch, not cloned into each worker

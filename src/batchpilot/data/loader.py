@@ -17,13 +17,14 @@ consumer, and no index is lost or repeated. The cost is one discarded prefetch w
 from __future__ import annotations
 
 import collections
+import random
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate, get_worker_info
 
 from .._validation import check_batch_size, check_positive_int
 from .sampler import AdaptiveBatchSampler, share_bounds
@@ -129,6 +130,39 @@ def _first(batch: list[Any]) -> Any:
     return batch[0]
 
 
+class _SeededIndices(list):
+    """A micro-batch's index list, with the seed a worker fetches it with (see :class:`_SeededDataset`)."""
+
+    seed: int | None = None
+
+
+class _SeededDataset(Dataset):
+    """The dataset as workers see it: each micro-batch is fetched with torch, numpy and ``random`` seeded from
+    (loader seed, step, micro-batch, rank). Random augmentation in ``__getitem__`` then depends neither on
+    which worker fetched the batch nor on how many there are, and a resumed run draws what the interrupted
+    one did (persistent workers' own streams could not be restored). In the main process nothing is seeded:
+    there the global generators, saved in checkpoints, are drawn from as usual."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        seed = getattr(indices, "seed", None)
+        if seed is not None and get_worker_info() is not None:
+            torch.manual_seed(seed)
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
+        items = list(indices)
+        getitems = getattr(self.dataset, "__getitems__", None)
+        return getitems(items) if getitems else [self.dataset[i] for i in items]
+
+
 class _PlanBatchSampler:
     """The batch sampler handed to torch's DataLoader: each ``__iter__`` plans from the current position."""
 
@@ -197,6 +231,11 @@ class AdaptiveDataLoader:
             ) from exc
         if length == 0:
             raise ValueError("the dataset has 0 samples: there is nothing to train on; check that it was loaded.")
+        if isinstance(dataset, IterableDataset):
+            raise TypeError(
+                f"dataset of type {type(dataset).__name__} is an IterableDataset: it cannot be indexed, and "
+                "AdaptiveDataLoader cuts every batch from an index order; use a map-style dataset (__getitem__)."
+            )
         self.dataset = dataset
         self.sampler = sampler or AdaptiveBatchSampler(
             length, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, rank=rank, world_size=world_size
@@ -239,10 +278,14 @@ class AdaptiveDataLoader:
         self._next_step = 0  # index of the next step to plan
         self.min_accumulation: Callable[[int], int] | None = None  # step index -> least micro-batches
         self._wrapped: Iterable[Any] | None = None
+        self._seed_fetches = False  # workers fetch each micro-batch with seeded generators (_SeededDataset)
+        self._plan_moves = self.sampler.moves  # the sampler's set_epoch count when the plans were made
+        self.sampler.next_epoch_of = lambda: self.position()[0]
         if self.num_workers > 0 or pin_memory or wrap_loader is not None:
             fast = type(dataset) is TensorDataset and self.collate_fn is default_collate
+            self._seed_fetches = not fast and self.num_workers > 0
             self._torch_loader = DataLoader(
-                _BatchedTensors(dataset.tensors) if fast else dataset,  # type: ignore[attr-defined]
+                _BatchedTensors(dataset.tensors) if fast else _SeededDataset(dataset),  # type: ignore[attr-defined]
                 batch_sampler=_PlanBatchSampler(self),
                 num_workers=self.num_workers,
                 collate_fn=_first if fast else self.collate_fn,
@@ -271,6 +314,15 @@ class AdaptiveDataLoader:
         self.sampler.set_batch_size(batch_size)  # before the rewind: a restarted worker iterator plans at once
         if self._planned:
             self._rewind()
+
+    def epochs_done(self) -> int:
+        """Full passes completed before the next step: ``position()``'s epoch, plus one when all that is
+        left of the epoch is a tail that ``drop_last`` will drop (call between steps)."""
+        if self._planned:
+            return self._planned[0].position[0]
+        s = self.sampler
+        at_tail = s.drop_last and s.offset > 0 and s.num_samples - s.offset < s.batch_size
+        return s.epoch + at_tail
 
     def next_step_size(self) -> int:
         """Samples in the next global batch: the batch size, or the rest of the epoch when fewer are left
@@ -340,6 +392,7 @@ class AdaptiveDataLoader:
     def _plan_step(self) -> list[_Planned] | None:
         """Cut the next global batch and plan its micro-batches; ``None`` at the end of the epoch."""
         sampler = self.sampler
+        self._plan_moves = sampler.moves
         position = (sampler.epoch, sampler.offset, sampler.samples_seen, sampler.dropped_samples, self._next_step)
         batch = sampler.next_global_batch()
         if batch is None:
@@ -376,7 +429,11 @@ class AdaptiveDataLoader:
             if parts is None:
                 return
             for part in parts:
-                yield part.indices.tolist()
+                indices = _SeededIndices(part.indices.tolist())
+                if self._seed_fetches:
+                    entropy = [self.sampler.seed, part.position[4], part.micro_index, self.sampler.rank]
+                    indices.seed = int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0] >> 1)
+                yield indices
 
     def _fetch(self, indices: np.ndarray) -> Any:
         """Fetch and collate one micro-batch in this process (no workers)."""
@@ -396,7 +453,11 @@ class AdaptiveDataLoader:
         (``drop_last``) drops it and yields the next epoch.
         """
         if self._planned:
+            s = self.sampler
+            moved = (s.epoch, s.offset) if s.moves != self._plan_moves else None  # set_epoch since planning
             self._rewind()
+            if moved is not None:  # the counters go back to the first unconsumed step; the position is the user's
+                s.epoch, s.offset = moved
         self.sampler.drop_tail()
         if self._torch_loader is None:
             return self._iter_in_process()

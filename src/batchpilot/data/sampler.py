@@ -10,7 +10,7 @@ world size resumes under another.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -98,6 +98,8 @@ class AdaptiveBatchSampler:
         self.offset = 0
         self.samples_seen = 0
         self.dropped_samples = 0
+        self.moves = 0  # how often set_epoch moved the position (a loader planning ahead must not undo it)
+        self.next_epoch_of: Callable[[], int] | None = None  # set by a loader: the epoch of its next step
         self._order_epoch = -1
         self._order: np.ndarray | None = None
 
@@ -122,10 +124,16 @@ class AdaptiveBatchSampler:
         return self.samples_seen / self.num_samples
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its beginning, unless it is already the current epoch (resume-safe)."""
+        """Start ``epoch`` from its beginning, unless it is already the current epoch (resume-safe).
+
+        Under an :class:`~batchpilot.AdaptiveDataLoader`, which plans ahead, the current epoch is that of
+        its next unconsumed step.
+        """
         epoch = check_positive_int(epoch, "epoch", minimum=0)
-        if epoch != self.epoch:
+        current = self.next_epoch_of() if self.next_epoch_of is not None else self.epoch
+        if epoch != current:
             self.epoch, self.offset = epoch, 0
+            self.moves += 1
 
     def order(self, epoch: int | None = None) -> np.ndarray:
         """The full index order of ``epoch`` (default: the current one), a function of (seed, epoch)."""
