@@ -260,6 +260,18 @@ def test_noise_scale_factor_rounding_and_bounds():
     assert pow2.decide(obs(50, 600, ns(722.0))) == 600
     assert "no move" in pow2.reason
     assert NoiseScale(smoothing=0.0, max_change=None, min_measurements=0).decide(obs(50, 256, ns(1e9))) == 4096  # clamped to max_size
+
+
+def test_noise_scale_rounds_after_the_step_limit():
+    # The limit first (32 x 1.5 = 48), then the grid: log2(48) = 5.58 -> 64; 64 x 1.5 = 96 is on the 32-grid;
+    # shrinking 256 / 1.5 = 170.7 -> 5 x 32 = 160. Every decision lies on the grid.
+    def decide(current, noise, **kw):
+        return NoiseScale(smoothing=0.0, max_change=1.5, min_measurements=0, **kw).decide(obs(50, current, ns(noise)))
+
+    assert decide(32, 4000.0, round_to="pow2") == 64
+    assert decide(64, 4000.0, round_to=32) == 96
+    assert decide(256, 40.0, round_to=32, allow_shrink=True) == 160
+    assert decide(48, 4000.0, round_to="pow2") == 64  # 48 x 1.5 = 72 -> 64
     assert NoiseScale(10.0, smoothing=0.0, max_change=None, min_measurements=0).decide(obs(50, 256, ns(1e308))) == 4096  # 1e309 = inf: still 4096
     assert NoiseScale(smoothing=0.0, max_change=None, min_measurements=0).decide(obs(50, 8000, ns(100.0))) == 4096  # current above max: clamped
 

@@ -97,3 +97,29 @@ def test_plot(tmp_path):
     model, batches = problem()
     result = lr_range_test(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, loss_fn, steps=40)
     assert result.plot(tmp_path / "lr.png").stat().st_size > 0
+
+
+def test_a_negative_loss_is_swept_like_a_positive_one():
+    # The same problem shifted down by 10: the loss is negative throughout, the sweep must not stop at once.
+    model, batches = problem()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    shifted = lr_range_test(model, optimizer, batches, lambda m, b: loss_fn(m, b) - 10.0, lr_min=1e-4, lr_max=100.0,
+                            steps=80)
+    assert len(shifted.lrs) > 40 and shifted.suggestion is not None and 1e-2 < shifted.suggestion < 2.0
+
+
+def test_no_gradient_is_left_and_each_module_keeps_its_mode():
+    model, batches = problem()
+    net = torch.nn.Sequential(model, torch.nn.Dropout(0.0)).double()
+    net.train()
+    net[1].eval()  # frozen by hand, as for fine-tuning: the sweep and its end leave it so
+    modes = []
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+
+    def loss(m, b):
+        modes.append(m[1].training)
+        return loss_fn(m[0], b)
+
+    lr_range_test(net, optimizer, batches, loss, lr_min=1e-4, lr_max=1.0, steps=10)
+    assert not any(modes) and net.training and not net[1].training
+    assert all(p.grad is None for p in net.parameters())

@@ -188,3 +188,17 @@ def test_micro_agrees_with_the_noise_scale_trace():
 def test_micro_rejects(micro, sizes, sq_mean, match):
     with pytest.raises(ValueError, match=match):
         micro_batch_grad_variance(micro, sizes, sq_mean)
+
+
+def test_a_value_error_inside_torch_func_names_the_fallback_too():
+    class CallsBatchNorm(torch.nn.Module):  # functional batch_norm in training mode: one sample per channel fails
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return torch.nn.functional.batch_norm(self.lin(x), None, None, training=True)
+
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    with pytest.raises(PerSampleGradError, match="micro_batch_grad_variance"):
+        per_sample_grad_variance(CallsBatchNorm(), torch.nn.functional.cross_entropy, x, y)

@@ -15,7 +15,6 @@ from ._adaptive import (
     check_state,
     clamp,
     fmt,
-    limit_step,
     optional_float,
     optional_int,
     read_stat,
@@ -143,17 +142,17 @@ class NoiseScale:
         target = self.factor * math.exp(self._log_ema)
         band = 1.0 + self.hysteresis
         prefix = f"step {obs.step}: target {fmt(self.factor)} x {fmt(math.exp(self._log_ema))} = {fmt(target)}"
-        if target > size * band:
-            new = self._round_and_clamp(target)
-            moved = new > size
-        elif target * band < size and self.allow_shrink:
-            new = self._round_and_clamp(target)
-            moved = new < size
-        else:
+        if target * band < size and not self.allow_shrink or size / band <= target <= size * band:
             why = "within the hysteresis band" if target * band >= size else "below, and allow_shrink=False"
             self.reason = f"{prefix} {why} of {size}; kept {size}"
             return size
-        new = limit_step(size, new, self.max_change)
+        # The step limit first, then the rounding: the size always lies on the round_to grid (which may move
+        # it a little past max_change).
+        limited = min(target, 4.0 * self.max_size)
+        if self.max_change is not None:  # as limit_step: at most x max_change, at least one sample
+            limited = min(max(limited, min(size - 1, size / self.max_change)), max(size + 1, size * self.max_change))
+        new = self._round_and_clamp(max(limited, 1.0))
+        moved = new > size if target > size else new < size
         if not moved:
             self.reason = f"{prefix}: rounding/bounds give {new}, no move from {size}; kept {size}"
             return size

@@ -86,7 +86,7 @@ def lr_range_test(
 
     Step ``i`` of ``steps`` trains one batch at ``lr_min * (lr_max / lr_min) ** (i / (steps - 1))`` (every
     param group). The test stops early when the loss is not finite or the smoothed loss exceeds ``diverge``
-    times its minimum.
+    times its minimum (rises above it by ``diverge - 1`` times its magnitude, for losses of any sign).
 
     Args:
         model: The model to probe (its weights are restored afterwards).
@@ -96,7 +96,7 @@ def lr_range_test(
         lr_min, lr_max: The LR range, ``0 < lr_min < lr_max``.
         steps: Steps in the sweep (>= 5).
         smoothing: EMA factor of the smoothed loss, in ``[0, 1)``.
-        diverge: Stop once the smoothed loss exceeds this multiple of its minimum (> 1).
+        diverge: Stop once the smoothed loss exceeds this multiple of its minimum (> 1; see above).
 
     Raises:
         ValueError: a bound, ``steps``, ``smoothing`` or ``diverge`` is out of range; ``batches`` ran out
@@ -115,7 +115,7 @@ def lr_range_test(
 
     model_state = copy.deepcopy(model.state_dict())
     optimizer_state = copy.deepcopy(optimizer.state_dict())
-    was_training = model.training
+    modes = [(module, module.training) for module in model.modules()]
     started = time.perf_counter()
     lrs: list[float] = []
     losses: list[float] = []
@@ -123,7 +123,8 @@ def lr_range_test(
     stopped_early = False
     with torch.random.fork_rng():  # torch's CPU and CUDA generators are restored on the way out
         try:
-            model.train()
+            if not model.training:
+                model.train()  # in train mode already: submodules the user put in eval (frozen BN) stay so
             iterator = iter(batches)
             average = 0.0
             for i in range(steps):
@@ -154,7 +155,8 @@ def lr_range_test(
                 losses.append(value)
                 average = smoothing * average + (1 - smoothing) * value
                 smoothed.append(average / (1 - smoothing ** (i + 1)))
-                if smoothed[-1] > diverge * min(smoothed):
+                lowest = min(smoothed)  # diverged: up from the lowest by (diverge - 1) x its size (any sign)
+                if smoothed[-1] - lowest > (diverge - 1) * abs(lowest):
                     stopped_early = True
                     break
                 loss.backward()
@@ -162,7 +164,9 @@ def lr_range_test(
         finally:
             model.load_state_dict(model_state)
             optimizer.load_state_dict(optimizer_state)
-            model.train(was_training)
+            optimizer.zero_grad(set_to_none=True)  # the last sweep step's gradient must not reach training
+            for module, training in modes:
+                module.train(training)
     best = min(range(len(smoothed)), key=smoothed.__getitem__)
     return LRRangeTest(lrs, losses, smoothed, _steepest(lrs, smoothed, best), lrs[best], stopped_early,
                        time.perf_counter() - started)

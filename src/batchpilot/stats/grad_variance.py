@@ -116,7 +116,7 @@ def per_sample_grad_variance(
         stop = min(start + step, n)
         try:
             grads = per_sample(params, tuple(x[start:stop] for x in xs), targets[start:stop])
-        except RuntimeError as err:
+        except (RuntimeError, ValueError) as err:  # e.g. a batch_norm call in training mode on one sample
             raise PerSampleGradError(
                 f"torch.func could not compute per-sample gradients of {type(model).__name__}: {err}. {_fallback_hint()}"
             ) from err
