@@ -719,7 +719,156 @@ def test_drop_last_reports_the_dropped_tail(tmp_path):
     for x, y in pilot.batches(epochs=2):
         seen += len(x)
         pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    # 3 x 16 per epoch, 2 left each time; training stops at epoch 1's last full step, before its tail is dropped
+    assert seen == 96 and pilot.epoch == 2 and pilot.coverage == 0.0 and pilot.loader.sampler.dropped_samples == 2
+    for x, y in pilot.batches(epochs=3):  # goes on: epoch 1's tail is dropped as the loop starts
+        seen += len(x)
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
     pilot.close()
-    assert seen == 96 and pilot.loader.sampler.dropped_samples == 4  # 3 x 16 per epoch, 2 left each time
+    assert seen == 144 and pilot.loader.sampler.dropped_samples == 4
     events = [r for r in batchpilot.read_log(tmp_path / "log.jsonl") if r["type"] == "event"]
     assert [(e["event"], e["samples"], e["epoch"]) for e in events] == [("dropped_last", 2, 0), ("dropped_last", 2, 1)]
+
+
+# ------------------------------------------------------------------ found by probing as a user (second round)
+def test_a_drop_last_run_stopped_at_an_epoch_end_does_not_train_into_the_next_epoch():
+    ds, model = make_problem(n=10)
+    pilot = batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), ds, batch_size=4, drop_last=True)
+    for x, y in pilot.batches(max_steps=2):  # 4 + 4 samples; the last 2 are a tail to drop
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    assert pilot.epoch == 1 and pilot.coverage == 0.0
+    for x, y in pilot.batches(epochs=1):  # epoch 0 is done: nothing to train (it used to train step 3)
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    assert pilot.step == 2
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_rolling_back_from_a_callback_with_workers_keeps_training(tmp_path, num_workers):
+    ds, model = make_problem(n=10)
+    pilot = batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), ds, batch_size=5,
+                             num_workers=num_workers, checkpoint_dir=tmp_path, checkpoint_every=1, keep_checkpoints=5)
+    rolled = []
+
+    def rollback(p, record):
+        if p.step == 3 and not rolled:
+            rolled.append(p.load_checkpoint(tmp_path / "step-000000001.pt"))
+
+    pilot.add_callback(rollback)
+    for x, y in pilot.batches(max_steps=6):  # it used to stop with a false "epoch produced no step" error
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    assert rolled and pilot.step == 6
+    pilot.close()
+
+
+def test_resuming_into_a_fresh_log_works_and_a_replaced_log_is_refused_before_loading(tmp_path):
+    def pilot_for(log):
+        ds, model = make_problem()
+        return batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), ds, batch_size=8,
+                                checkpoint_dir=tmp_path / "ckpt", checkpoint_every=2, log_path=log)
+
+    first = pilot_for(tmp_path / "run1.jsonl")
+    for x, y in first.batches(max_steps=4):
+        first.backward(torch.nn.functional.cross_entropy(first._module(x), y))
+    first.close()
+    fresh = pilot_for(tmp_path / "run2.jsonl")  # a log_path that does not exist yet: logging starts anew
+    assert fresh.load_checkpoint(tmp_path / "ckpt") is not None and fresh.step == 4
+    fresh.close()
+    (tmp_path / "short.jsonl").write_text('{"type": "step"}\n')  # something else, shorter than the checkpoint's
+    other = pilot_for(tmp_path / "short.jsonl")
+    before = [p.detach().clone() for p in other._module.parameters()]
+    with pytest.raises(batchpilot.CheckpointError, match="was it replaced"):
+        other.load_checkpoint(tmp_path / "ckpt" / "step-000000004.pt")
+    assert other.step == 0 and all(torch.equal(a, p) for a, p in zip(before, other._module.parameters()))
+    other.close()
+
+
+def test_a_resumed_pilot_keeps_its_own_drop_last_and_the_smaller_micro_batch_bound(tmp_path, caplog):
+    def pilot_for(**kwargs):
+        ds, model = make_problem()
+        return batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), ds, batch_size=8,
+                                checkpoint_dir=tmp_path, checkpoint_every=2, **kwargs)
+
+    first = pilot_for(max_micro_batch_size=8)
+    for x, y in first.batches(max_steps=2):
+        first.backward(torch.nn.functional.cross_entropy(first._module(x), y))
+    resumed = pilot_for(max_micro_batch_size=2, drop_last=True)  # after running out of memory, say
+    with caplog.at_level("WARNING", logger="batchpilot"):
+        resumed.load_checkpoint(tmp_path)
+    assert resumed.loader.max_micro_batch_size == 2 and resumed.loader.sampler.drop_last is True
+    assert "drop_last=False" in caplog.text and "max_micro_batch_size is 8" in caplog.text
+    rows = []
+    for x, y in resumed.batches(max_steps=3):
+        rows.append(len(x))
+        resumed.backward(torch.nn.functional.cross_entropy(resumed._module(x), y))
+    assert rows == [2, 2, 2, 2]
+
+
+def test_trainable_parameters_the_optimizer_does_not_hold_stay_out_of_norms_and_steps():
+    # Fine-tuning the head with the body's requires_grad left on: the body's .grad must not pile up in the
+    # gradient norm (and so in clipping and the noise scale).
+    def run(freeze: bool):
+        ds, model = make_problem()
+        body, head = model[0], model[2]
+        if freeze:
+            body.requires_grad_(False)
+        pilot = batchpilot.Pilot(model, torch.optim.SGD(head.parameters(), lr=0.1), ds, batch_size=8, grad_clip=0.5)
+        for x, y in pilot.batches(max_steps=12):
+            pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+        assert all(p.grad is None for p in body.parameters())
+        return pilot.last_record["grad/norm"], [p.detach().clone() for p in head.parameters()]
+
+    (norm_on, head_on), (norm_off, head_off) = run(False), run(True)
+    assert norm_on == pytest.approx(norm_off, rel=1e-12)
+    assert all(torch.equal(a, b) for a, b in zip(head_on, head_off))
+
+
+def test_gradients_left_over_before_training_do_not_reach_the_first_step():
+    ds, model = make_problem()
+    clean = [p.detach().clone() for p in model.parameters()]
+
+    def train(dirty: bool):
+        for p, c in zip(model.parameters(), clean):
+            p.data.copy_(c)
+            p.grad = torch.ones_like(p) if dirty else None  # e.g. the last step of an LR range test
+        pilot = batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), ds, batch_size=8, seed=1)
+        for x, y in pilot.batches(max_steps=2):
+            pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(train(True), train(False)))
+
+
+def test_a_resumed_run_reports_the_loss_trend_the_uninterrupted_one_did(tmp_path):
+    # The trend (a window of 50 losses) is refreshed every 10 steps; between refreshes the value reported,
+    # and read by controllers, must survive a resume.
+    def run(resume=False):
+        ds, model = make_problem()
+        pilot = batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), ds, batch_size=8,
+                                 checkpoint_dir=tmp_path, checkpoint_every=53)
+        if resume:
+            pilot.load_checkpoint(tmp_path / "step-000000053.pt")
+        trends = {}
+        pilot.add_callback(lambda p, r: trends.__setitem__(r["step"], r.get("stats/loss_trend")))
+        for x, y in pilot.batches(max_steps=58):
+            pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+        return trends
+
+    full = run()
+    resumed = run(resume=True)
+    assert full[54] is not None and [resumed[s] for s in range(54, 59)] == [full[s] for s in range(54, 59)]
+
+
+def test_a_half_written_checkpoint_of_a_killed_writer_is_removed(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()  # its pid now belongs to no process
+    orphan = tmp_path / f".step-000000009.pt.tmp-{done.pid}"
+    orphan.write_bytes(b"half a checkpoint")
+    ds, model = make_problem()
+    pilot = batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), ds, batch_size=8,
+                             checkpoint_dir=tmp_path, checkpoint_every=1, keep_checkpoints=1)
+    for x, y in pilot.batches(max_steps=2):
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000002.pt"]

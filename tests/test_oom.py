@@ -240,3 +240,26 @@ def test_the_retry_runs_without_the_failed_attempts_activations(where):
             pilot.backward(torch.nn.functional.mse_loss(model(x), y))
     assert pilot.oom_replays == 1
     assert alive_at_forward == [0, 0, 0]  # the 16-row attempt, then the two 8-row micro-batches of the retry
+
+
+class DropoutLimited(MemoryLimited):
+    """MemoryLimited with dropout before the layer that runs out of memory: each attempt draws masks."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        super().__init__(limit)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.drop(x))
+
+
+def test_a_step_run_again_draws_the_same_dropout_masks():
+    # The failed attempts drew dropout masks; the replay must draw the masks a run that fitted would have.
+    torch.manual_seed(5)
+    recovered = train(DropoutLimited(limit=24), 6, oom_recovery=True)
+    torch.manual_seed(5)
+    reference = train(DropoutLimited(), 6, max_micro_batch_size=20)
+    assert recovered["pilot"].oom_replays >= 1
+    assert recovered["indices"] == reference["indices"]
+    for a, b in zip(recovered["weights"], reference["weights"]):
+        assert torch.equal(a, b)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 FORMAT = "batchpilot-checkpoint"
 VERSION = 1
 _NAME = re.compile(r"^step-(\d+)\.pt$")
+_TMP = re.compile(r"^\.step-\d+\.pt\.tmp-(\d+)$")  # save_checkpoint's file while it writes
 
 
 class CheckpointError(RuntimeError):
@@ -127,9 +128,24 @@ def load_latest_checkpoint(directory: str | os.PathLike) -> tuple[Path, dict[str
 
 
 def prune_checkpoints(directory: str | os.PathLike, keep: int) -> None:
-    """Delete all but the ``keep`` newest checkpoints in ``directory``."""
+    """Delete all but the ``keep`` newest checkpoints in ``directory``, and the half-written files of
+    writers that were killed (their process is gone)."""
     for path in list_checkpoints(directory)[:-keep] if keep > 0 else []:
         path.unlink(missing_ok=True)
+    for path in Path(directory).iterdir():
+        match = _TMP.match(path.name)
+        if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
+            path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 def class_name(obj: Any) -> str:

@@ -63,7 +63,7 @@ from .data.loader import AdaptiveDataLoader, MicroBatch
 from .logs import AdjustmentLog, ProgressBar, TensorBoardSink
 from .lr import AdaScaleLR, LRCoupling, SampleLRSchedule
 from .measure import DEFAULT_NOISE_EVERY, GradientNoiseProbe, StepMeter, read_scalars
-from .rng import gather_rng_states, restore_rng_states
+from .rng import gather_rng_states, restore_rng_states, set_torch_rng, torch_rng
 
 logger = logging.getLogger("batchpilot")
 
@@ -224,11 +224,16 @@ class Pilot:
             # A rank that fails inside a forward would leave the ranks' collectives out of step; the engine
             # broadcasts the buffers itself at each step's end instead.
             self._ddp_model.require_forward_param_sync = False
-        self._params = [p for p in model.parameters() if p.requires_grad]
-        if not self._params:
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if not trainable:
             raise ValueError("the model has no parameter with requires_grad=True: there is nothing to train.")
-        trainable = {id(p) for p in self._params}
-        if not any(id(p) in trainable for group in optimizer.param_groups for p in group["params"]):
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        # The parameters trained: their gradients are reduced, measured, clipped. Trainable ones the optimizer
+        # does not hold (fine-tuning a head with requires_grad left on elsewhere) get .grad from backward but
+        # are never stepped; their .grad is dropped every step, else it would keep growing.
+        self._params = [p for p in trainable if id(p) in held]
+        self._unheld = [p for p in trainable if id(p) not in held]
+        if not self._params:
             raise ValueError(
                 "the optimizer holds none of the model's trainable parameters, so training would change nothing; "
                 "build it from this model's parameters, e.g. torch.optim.SGD(model.parameters(), ...)."
@@ -317,6 +322,7 @@ class Pilot:
         self._step_open = False  # a step's first micro-batch was yielded and the step is not finished
         self._oom_error = ""
         self.oom_replays = 0  # steps run again after running out of memory
+        self._step_rng: tuple[torch.Tensor, torch.Tensor | None] | None = None  # at the step's start (oom_recovery)
         self._step_clock = time.perf_counter()
 
     # ------------------------------------------------------------------ properties
@@ -327,14 +333,17 @@ class Pilot:
 
     @property
     def epoch(self) -> int:
-        """Full passes over the data completed (during a step: before that step)."""
-        return self._micro.epoch if self._micro is not None else self.loader.position()[0]
+        """Full passes over the data completed (during a step: before that step; between steps an epoch
+        whose only rest is a tail ``drop_last`` drops counts as completed)."""
+        return self._micro.epoch if self._micro is not None else self.loader.epochs_done()
 
     @property
     def coverage(self) -> float:
         """Fraction of the current pass consumed, in ``[0, 1)`` (during a step: before that step)."""
-        offset = self._micro.offset if self._micro is not None else self.loader.position()[1]
-        return offset / self.num_samples
+        if self._micro is not None:
+            return self._micro.offset / self.num_samples
+        epoch, offset, _ = self.loader.position()
+        return 0.0 if self.loader.epochs_done() > epoch else offset / self.num_samples  # (a tail to drop: 0)
 
     @property
     def virtual_epoch(self) -> float:
@@ -401,11 +410,16 @@ class Pilot:
 
         if self._couple and not self.coupling.is_scaled:
             self.coupling.scale(self.loader.next_step_size())
+        self._zero_grad()  # nothing left over from before (e.g. an LR range test) adds to the first step
         self._step_clock = time.perf_counter()
         try:
             while not done():
-                steps_before, full_epoch = self.step, self.loader.position()[1] == 0
-                for micro in self.loader:
+                micro_batches = iter(self.loader)  # a tail left to drop is dropped here (drop_last)
+                epoch_start = self.loader.position()[1] == 0
+                self._report_drops()
+                yielded = False
+                for micro in micro_batches:
+                    yielded = True
                     yield from self._run_micro(micro)
                     if self.oom_recovery and (self._oom_size is not None or micro.is_last):
                         cap = self._agreed_micro_cap()
@@ -416,12 +430,8 @@ class Pilot:
                         self._finish_step(micro, bar)
                         if done():
                             return
-                dropped = self.loader.sampler.dropped_samples
-                if dropped != self._dropped_reported:  # drop_last dropped an epoch's incomplete final batch
-                    self._event("dropped_last", {"samples": dropped - self._dropped_reported, "epoch": self.epoch - 1},
-                                warn=False)
-                    self._dropped_reported = dropped
-                if self.step == steps_before and full_epoch:
+                self._report_drops()
+                if not yielded and epoch_start and self.loader.sampler.drop_last:
                     raise RuntimeError(
                         f"an epoch produced no step: batch_size={self.loader.batch_size} exceeds the dataset size "
                         f"{self.num_samples} with drop_last=True; lower the batch size or set drop_last=False."
@@ -436,12 +446,24 @@ class Pilot:
             if self._log is not None:
                 self._log.flush()
 
+    def _report_drops(self) -> None:
+        dropped = self.loader.sampler.dropped_samples
+        if dropped != self._dropped_reported:  # drop_last dropped an epoch's incomplete final batch
+            self._event("dropped_last", {"samples": dropped - self._dropped_reported,
+                                         "epoch": self.loader.sampler.epoch - 1}, warn=False)
+            self._dropped_reported = dropped
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self._unheld:
+            p.grad = None
+
     def _discard_open_step(self) -> None:
         """The loop was left inside a step (a ``break`` or an exception in the loop body, even right after
         the last micro-batch's backward, since the step runs when the loop asks for the next micro-batch):
         drop its partial gradients and rewind the data to the step's start, so that the next
         :meth:`batches` (or a checkpoint saved now) runs the whole step again and counts nothing twice."""
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         self._micro_losses.clear()
         self._meter.discard_step()
         self._oom_size = None
@@ -454,8 +476,11 @@ class Pilot:
         self._micro = micro
         self._step_open = True
         self._backward_done = False
-        if micro.micro_index == 0 and self._noise is not None:
-            self._noise.begin_step(micro.step)
+        if micro.micro_index == 0:
+            if self._noise is not None:
+                self._noise.begin_step(micro.step)
+            if self.oom_recovery:  # a step run again draws the same dropout masks as one that fits at once
+                self._step_rng = torch_rng(self.device)
         data = _to_device(micro.data, self.device)
         self._meter.begin_micro()
         if self._ddp_model is None and not self.amp:
@@ -579,7 +604,9 @@ class Pilot:
         old = self.loader.max_micro_batch_size
         error = self._oom_error if self._oom_size is not None else "another rank ran out of memory"
         self._oom_size, self._oom_error = None, ""
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
+        if self._step_rng is not None:
+            set_torch_rng(self._step_rng, self.device)
         self._micro_losses.clear()
         self._meter.discard_step()
         self._micro = None
@@ -640,7 +667,7 @@ class Pilot:
                 # Routine while the GradScaler finds its scale: logged, not warned.
                 self._event("skipped_step", {"loss": loss, "grad_norm": norm, "reason": "fp16 overflow",
                                              "loss_scale": self.scaler.get_scale()}, warn=False)
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         self._step_open = False
 
         self.step += 1
@@ -854,6 +881,10 @@ class Pilot:
                 problems are listed, and nothing is loaded.
         """
         problems = fit_problems(state, model=self._module, optimizer=self.optimizer, sampler=self.loader.sampler)
+        if self._log is not None and state["log_position"] is not None:
+            problem = self._log.resume_problem(state["log_position"])
+            if problem is not None:
+                problems.append(problem)
         if len(state["lr_schedulers"]) != len(self.lr_schedulers):
             problems.append(
                 f"the checkpoint has {len(state['lr_schedulers'])} LR schedulers but this Pilot has "
@@ -863,6 +894,7 @@ class Pilot:
             raise CheckpointError("the checkpoint does not fit this Pilot (nothing was loaded):\n  - "
                                   + "\n  - ".join(problems))
         in_loop = self.coupling.is_scaled  # loaded between steps of batches() (from a callback)
+        drop_last, micro = self.loader.sampler.drop_last, self.loader.max_micro_batch_size  # this Pilot's
         if in_loop:
             self.coupling.unscale()
         p = state["pilot"]
@@ -874,6 +906,7 @@ class Pilot:
                 obj.load_state_dict(state[key])
         for scheduler, s in zip(self.lr_schedulers, state["lr_schedulers"]):
             scheduler.load_state_dict(s)
+        self._keep_own_settings(drop_last, micro)
         self._dropped_reported = self.loader.sampler.dropped_samples
         restore_rng_states(state["rng"], self.rank, self.world_size)
         if self._log is not None and state["log_position"] is not None:
@@ -884,6 +917,24 @@ class Pilot:
             if self.coupling.is_scaled:
                 self.coupling.unscale()
             self.coupling.scale(self.loader.next_step_size())
+
+    def _keep_own_settings(self, drop_last: bool, micro: int | None) -> None:
+        """After loading: ``drop_last`` is this Pilot's, and the micro-batch bound the smaller of this Pilot's
+        and the checkpoint's (which out-of-memory recovery may have lowered); a change is logged."""
+        sampler, loader = self.loader.sampler, self.loader
+        if sampler.drop_last != drop_last:
+            logger.warning("the checkpoint was saved with drop_last=%s; continuing with this Pilot's drop_last=%s",
+                           sampler.drop_last, drop_last)
+            sampler.drop_last = drop_last
+        saved = loader.max_micro_batch_size
+        bounds = [b for b in (micro, saved) if b is not None]
+        bound = min(bounds) if bounds else None
+        if bound != saved:
+            logger.warning("the checkpoint's max_micro_batch_size is %s; continuing with this Pilot's %s", saved, bound)
+        elif bound != micro:
+            logger.warning("max_micro_batch_size=%s, but the checkpoint's run had lowered it to %s (after running "
+                           "out of memory); continuing with %s", micro, saved, bound)
+        loader.max_micro_batch_size = bound
 
     def save_checkpoint(self, path: str | os.PathLike | None = None) -> Path | None:
         """Save :meth:`state_dict` atomically (rank 0 writes; every rank must call).

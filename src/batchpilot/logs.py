@@ -58,15 +58,24 @@ class AdjustmentLog:
         self.flush()
         return self._file.tell()
 
-    def truncate(self, position: int) -> None:
-        """Drop everything after ``position`` (records of steps that a resumed run will redo)."""
+    def resume_problem(self, position: int) -> str | None:
+        """Why the log cannot be cut back to ``position`` (a checkpoint's), or ``None``: a log with at least
+        that many bytes is cut back, an empty one (a fresh ``log_path``) starts anew."""
         self.flush()
         size = self.path.stat().st_size
-        if position > size:
-            raise ValueError(
-                f"the checkpoint says the log {str(self.path)!r} had {position} bytes but it has {size}; "
-                "was the log replaced? Pass a fresh log_path to resume."
-            )
+        if 0 < size < position:
+            return (f"the checkpoint says the log {str(self.path)!r} had {position} bytes but it has {size}; was it "
+                    "replaced? Resume with the run's own log, or pass a log_path that does not exist yet.")
+        return None
+
+    def truncate(self, position: int) -> None:
+        """Drop everything after ``position`` (records of steps that a resumed run will redo); an empty log
+        (a fresh ``log_path``) is left as it is."""
+        problem = self.resume_problem(position)
+        if problem is not None:
+            raise ValueError(problem)
+        if self.path.stat().st_size == 0:
+            return
         self._file.truncate(position)
         self._file.seek(position)
 

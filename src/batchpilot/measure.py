@@ -289,8 +289,13 @@ class StepMeter:
         return self._metrics
 
     def state_dict(self) -> dict[str, Any]:
-        return {"trend": self.trend.state_dict(), "throughput": self.throughput.state_dict()}
+        # The values reported between refreshes are part of the state: a resumed run reports (and its
+        # controller reads) what the uninterrupted one did.
+        return {"trend": self.trend.state_dict(), "throughput": self.throughput.state_dict(),
+                "metrics": dict(self._metrics), "system": dict(self._system)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.trend.load_state_dict(state["trend"])
         self.throughput.load_state_dict(state["throughput"])
+        self._metrics = dict(state.get("metrics", {}))  # absent in older checkpoints: refreshed at the next step
+        self._system = dict(state.get("system", {}))

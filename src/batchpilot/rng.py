@@ -31,6 +31,18 @@ def rng_state() -> dict[str, Any]:
     }
 
 
+def torch_rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """torch's CPU generator state and ``device``'s CUDA one (what dropout draws from), cheap to take."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def set_torch_rng(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
+    """Restore a :func:`torch_rng` state."""
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
 def gather_rng_states(world_size: int) -> list[dict[str, Any]]:
     """Every rank's states, in rank order (a collective under ``torch.distributed``)."""
     state = rng_state()

@@ -419,10 +419,9 @@ class AdaptiveBatchSize(Callback):
         epoch's order at the first size. The position kept here covers every case.
         """
         stats = self.stats.state_dict() if self.stats is not None else self._stats_state
+        loader: dict[str, Any] | None = self._loader_state
         if self._loader is not None and self._loader._loader is not None:
             loader = self._loader.state_dict()
-        else:
-            loader = self._loader_state
         return {"driver": self.driver.state_dict(), "stats": stats, "loader": loader}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
