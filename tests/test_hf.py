@@ -186,10 +186,10 @@ def test_gradients_equal_a_full_batch_mean_sgd_loop(tmp_path):
     assert list(trainer.batchpilot.driver.losses) == pytest.approx(losses, rel=1e-12)  # what a controller sees
 
 
-def test_a_loss_normalised_by_num_items_keeps_trainers_item_counting(tmp_path):
-    """With compute_loss_func (sum / num_items_in_batch) Trainer counts the items itself; ghost micro-batches
-    get labels -100, so the gradient is still the global-batch mean."""
-    data, model = PointSet(61), Recorder()
+def train_with_num_items(tmp_path, data) -> tuple[Recorder, AdaptiveBatchSizeTrainer, list]:
+    """One epoch of SIZES over 3 accumulation steps (sizes 1 and 2 give ghosts) with compute_loss_func
+    normalised by num_items_in_batch; returns the model, the trainer and the steps."""
+    model = Recorder()
 
     def summed_loss(outputs, labels, num_items_in_batch):
         return torch.nn.functional.cross_entropy(outputs["logits"], labels, reduction="sum") / num_items_in_batch
@@ -202,6 +202,14 @@ def test_a_loss_normalised_by_num_items_keeps_trainers_item_counting(tmp_path):
     steps = record_steps(trainer)
     trainer.train()
     assert any(s.ghosts for s in steps)
+    return model, trainer, steps
+
+
+def test_a_loss_normalised_by_num_items_keeps_trainers_item_counting(tmp_path):
+    """With compute_loss_func (sum / num_items_in_batch) Trainer counts the items itself; ghost micro-batches
+    get labels -100, so the gradient is still the global-batch mean."""
+    data = PointSet(61)
+    model, trainer, steps = train_with_num_items(tmp_path, data)
     reference, losses = sgd_reference(data, [s.indices for s in steps])
     assert trainer.batchpilot.last_loss == pytest.approx(losses[-1], rel=1e-12)
     for got, want in zip(model.parameters(), reference.parameters()):
@@ -219,19 +227,8 @@ class SoftLabels(PointSet):
 def test_ghost_micro_batches_add_nothing_with_float_labels_and_num_items(tmp_path):
     # Ghosts (sizes 1 and 2 over 3 accumulation steps) carry a borrowed row whose float labels -100 cannot
     # hide from the forward: its loss must be multiplied by 0 and its labels left out of the item count.
-    data, model = SoftLabels(61), Recorder()
-
-    def summed_loss(outputs, labels, num_items_in_batch):  # num_items counts both label columns of a row
-        return torch.nn.functional.cross_entropy(outputs["logits"], labels, reduction="sum") / num_items_in_batch
-
-    trainer = AdaptiveBatchSizeTrainer(
-        batch_size_scheduler=SizeList(SIZES), model=model, train_dataset=data, compute_loss_func=summed_loss,
-        args=quiet_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=3, num_train_epochs=1,
-                        **exact_sgd()),
-    )
-    steps = record_steps(trainer)
-    trainer.train()
-    assert any(s.ghosts for s in steps)
+    data = SoftLabels(61)
+    model, _, steps = train_with_num_items(tmp_path, data)  # num_items counts both label columns of a row
     reference = Recorder()
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     for s in steps:  # the mean over the step's rows of CE / 2 (two label entries per row)
