@@ -108,12 +108,13 @@ def recipe_from_results(path: Path) -> dict[str, Any]:
     try:
         results = json.loads(path.read_text())
         best = results["best_static"]
-        chosen, lr, epochs = best["chosen"], best["lr"], best["median_epochs_to_target"]
+        # A tuned static names the cell it chose; a plain static:N is its own cell.
+        chosen, lr, epochs = best.get("chosen") or best["policy"], best["lr"], best["median_epochs_to_target"]
         workload = results["workload"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SystemExit(f"--results {path}: not a readable batchpilot bench results.json with a best static ({exc}); "
                          "run `batchpilot bench` first or pass --workload/--batch/--lr/--epochs.") from exc
-    match = re.fullmatch(r"static:(\d+)(@lr=.*)?", chosen)
+    match = re.fullmatch(r"(?:tuned-)?static:(\d+)(@lr=[^@]*)?(@lr-rule=.*)?", chosen)
     if match is None or epochs is None:
         raise SystemExit(f"--results {path}: best static {chosen!r} has no batch size or no median epochs to target.")
     return {"workload": workload, "batch": int(match.group(1)), "lr": float(lr), "epochs": float(epochs)}

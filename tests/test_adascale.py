@@ -200,3 +200,27 @@ def test_constructor_errors():
         AdaScaleLR(object(), 8)
     with pytest.raises(ValueError, match="base_batch_size must be >= 1, got 0"):
         AdaScaleLR(None, 0)
+
+
+def test_a_pilot_step_record_holds_the_lr_adascale_used():
+    # The record's lr is the LR the optimizer stepped with: under AdaScale the schedule's LR x the gain.
+    from torch.utils.data import TensorDataset
+
+    import batchpilot
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 4, generator=g, dtype=torch.float64)
+    data = TensorDataset(x, (x[:, 0] > 0).long())
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sizes = iter([16, 16, 32, 32, 32, 32, 32])
+    pilot = batchpilot.Pilot(model, optimizer, data, batch_size=8, controller=lambda s, b: next(sizes),
+                             lr_rule="adascale", noise_every=1)
+    used, records = [], []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
+    pilot.add_callback(lambda p, r: records.append(r))
+    for xb, yb in pilot.batches(max_steps=6):
+        pilot.backward(torch.nn.functional.cross_entropy(model(xb), yb))
+    assert [r["lr"] for r in records] == used
+    assert any(r.get("lr/adascale_gain", 1.0) > 1.0 for r in records)

@@ -223,3 +223,21 @@ def test_targets_without_adaptive_or_when_it_misses():
     assert t["a"]["status"] == "MISS" and "missed the target" in t["a"]["text"]
     assert t["b"]["status"] == "MISS" and t["c"]["status"] == "MISS"
     assert math.isfinite(t["c"]["value"])
+
+
+def test_finder_picks_among_powers_of_two_only():
+    # 100 was calibrated only because a policy asked for it: it must not change the finder's pick.
+    cal = Calibration(sizes=[32, 64, 100, 128], step_s=[0.010, 0.012, 0.0130, 0.016],
+                      probe_step_s=[0.020, 0.022, 0.023, 0.026])
+    assert cal.finder_size() == 128  # 100 (7692/s) is within 5% of 128's 8000/s, but it is not a power of two
+
+
+def test_adascale_policies_measure_statistics_in_the_cost_model_too():
+    specs, _ = expand(parse_policies("static:128@lr-rule=adascale,ramp@lr-rule=adascale,static:64"), PLAN)
+    assert {s.name: s.noise_every for s in specs} == {
+        "static:128@lr-rule=adascale": NOISE_EVERY, "ramp:32-512@lr-rule=adascale": NOISE_EVERY, "static:64": None}
+
+
+def test_a_tuned_static_range_takes_an_lr_rule_suffix():
+    names = [p.name for p in parse_policies("tuned-static:32-128@lr-rule=sqrt")]
+    assert names == ["tuned-static:32@lr-rule=sqrt", "tuned-static:64@lr-rule=sqrt", "tuned-static:128@lr-rule=sqrt"]

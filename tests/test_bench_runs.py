@@ -217,3 +217,33 @@ def test_new_workload_models(name, x, params):
     for a, b in zip(model.parameters(), same.parameters()):
         assert torch.equal(a, b)
     assert any(not torch.equal(a, c) for a, c in zip(model.parameters(), other.parameters()))
+
+
+def test_an_evaluation_made_only_because_a_run_stopped_never_reaches_the_target():
+    # The last evaluation of a run that stopped between evaluation points (at the budget) is off the grid:
+    # it gives the final accuracy, but a target "reached" there would not be quantised like the others.
+    from torch.utils.data import TensorDataset
+
+    from batchpilot.bench.train import _Run
+
+    x = torch.randn(20, 3)
+    test = TensorDataset(x, torch.zeros(20, dtype=torch.long))
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight.zero_()
+        model.bias.copy_(torch.tensor([1.0, 0.0]))  # always class 0: accuracy 1.0
+    run = _Run(model, test, 100, target=0.5, budget_s=1.0, eval_every=0.25, on_eval=lambda p, r: None,
+               calibration=None, noise_every=None)
+    run.evaluate(1.2, 7, 70, 10, final=True)
+    assert run.reached is None and run.curve[-1]["accuracy"] == 1.0
+    run.evaluate(0.5, 5, 50, 10)
+    assert run.reached is not None and run.reached["step"] == 5
+
+
+def test_results_json_is_standard_json(tmp_path):
+    from batchpilot.bench.runner import _write_json
+
+    _write_json(tmp_path / "r.json", {"targets": {"b": {"value": float("inf")}}, "x": [1.0, float("nan")]})
+    text = (tmp_path / "r.json").read_text()
+    assert "Infinity" not in text and "NaN" not in text
+    assert json.loads(text) == {"targets": {"b": {"value": None}}, "x": [1.0, None]}

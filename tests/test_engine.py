@@ -371,11 +371,11 @@ def test_constructor_reports_every_problem_at_once():
     with pytest.raises(ValueError) as info:
         batchpilot.Pilot(
             model, opt, ds, batch_size=0, decide_every=0, min_batch_size=64, max_batch_size=8, amp="fp8",
-            grad_clip=-1.0, controller=42,
+            grad_clip=-1.0, controller=42, base_batch_size=0,
         )
     message = str(info.value)
-    for fragment in ("batch_size must be >= 1", "decide_every", "min_size=64 is larger than max_size=8", "amp",
-                     "grad_clip", "controller must be"):
+    for fragment in ("batch_size must be >= 1", "decide_every", "min_batch_size=64 is larger than max_batch_size=8", "amp",
+                     "grad_clip", "controller must be", "base_batch_size must be >= 1"):
         assert fragment in message
     with pytest.raises(ValueError, match="0 samples"):
         batchpilot.Pilot(model, opt, TensorDataset(torch.zeros(0, 6)), batch_size=4)

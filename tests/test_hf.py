@@ -739,7 +739,7 @@ def test_unsupported_arguments_are_rejected(tmp_path, overrides, message):
 
 
 def test_invalid_scheduler_settings_fail_at_construction(tmp_path):
-    with pytest.raises(ValueError, match="min_size=8 is larger than max_size=4"):
+    with pytest.raises(ValueError, match="min_batch_size=8 is larger than max_batch_size=4"):
         AdaptiveBatchSizeTrainer(model=Recorder(), train_dataset=PointSet(20), args=quiet_args(tmp_path),
                                  min_batch_size=8, max_batch_size=4)
     with pytest.raises(ValueError, match="callable"):

@@ -46,6 +46,10 @@ def test_recipe_comes_from_a_bench_results_file(bench, tmp_path):
     good.write_text(json.dumps({"workload": "digits", "best_static": {
         "chosen": "static:128@lr=0.004", "lr": 0.004, "median_epochs_to_target": 1.25}}))
     assert bench.recipe_from_results(good) == {"workload": "digits", "batch": 128, "lr": 0.004, "epochs": 1.25}
+    plain = tmp_path / "plain.json"  # a plain static:N best has no "chosen" (bench --policies quick, say)
+    plain.write_text(json.dumps({"workload": "digits", "best_static": {
+        "policy": "static:256", "lr": 0.08, "median_epochs_to_target": 2.0}}))
+    assert bench.recipe_from_results(plain) == {"workload": "digits", "batch": 256, "lr": 0.08, "epochs": 2.0}
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(SystemExit, match="bad.json.*batchpilot bench"):

@@ -57,13 +57,16 @@ def check_batch_size(value: Any, name: str = "batch_size") -> int:
     return check_positive_int(value, name, minimum=1)
 
 
-def check_bounds(min_size: int | None, max_size: int | None) -> tuple[int | None, int | None]:
-    """Validate optional ``[min_size, max_size]`` bounds on the global batch size."""
-    lo = None if min_size is None else check_batch_size(min_size, "min_size")
-    hi = None if max_size is None else check_batch_size(max_size, "max_size")
+def check_bounds(min_size: int | None, max_size: int | None,
+                 names: tuple[str, str] = ("min_size", "max_size")) -> tuple[int | None, int | None]:
+    """Validate optional ``[min_size, max_size]`` bounds on the global batch size (``names``: the caller's
+    argument names, for the message)."""
+    lo_name, hi_name = names
+    lo = None if min_size is None else check_batch_size(min_size, lo_name)
+    hi = None if max_size is None else check_batch_size(max_size, hi_name)
     if lo is not None and hi is not None and lo > hi:
         raise ValueError(
-            f"min_size={lo} is larger than max_size={hi}: impossible bounds; swap them or widen max_size."
+            f"{lo_name}={lo} is larger than {hi_name}={hi}: impossible bounds; swap them or widen {hi_name}."
         )
     return lo, hi
 

@@ -176,7 +176,9 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         except ValueError as exc:  # --resume from a damaged or different results.json, or an unusable --device
             parser.error(str(exc))
         except KeyboardInterrupt:
-            parser.exit(130, f"\nbatchpilot bench: interrupted; finished runs are in {folder / 'results.json'}\n")
+            saved = folder / "results.json"
+            where = f"finished runs are in {saved} (--resume goes on)" if saved.is_file() else "no run had finished"
+            parser.exit(130, f"\nbatchpilot bench: interrupted; {where}\n")
         everything[workload.name] = results
         print()
         print(f"{workload.name}: time to test accuracy {target:g} (training time, median over seeds {seeds})")

@@ -181,7 +181,8 @@ class Pilot:
         problems = collect_problems(
             batch_size=lambda: check_batch_size(batch_size),
             decide_every=lambda: check_positive_int(decide_every, "decide_every"),
-            bounds=lambda: check_bounds(min_batch_size, max_batch_size),
+            bounds=lambda: check_bounds(min_batch_size, max_batch_size, ("min_batch_size", "max_batch_size")),
+            base_batch_size=lambda: base_batch_size is None or check_batch_size(base_batch_size, "base_batch_size"),
             on_invalid=lambda: check_choice(on_invalid, "on_invalid", ("raise", "keep")),
             amp=lambda: check_choice(amp, "amp", (None, "bf16", "fp16")),
             loss_reduction=lambda: check_choice(loss_reduction, "loss_reduction", ("mean", "sum")),
@@ -263,11 +264,12 @@ class Pilot:
         self.min_batch_size, self.max_batch_size = min_batch_size, max_batch_size
         self.on_invalid = on_invalid
         adascale = lr_rule == "adascale"
-        self.coupling = LRCoupling(optimizer, base_batch_size or batch_size, rule="none" if adascale else lr_rule,
+        base = batch_size if base_batch_size is None else base_batch_size
+        self.coupling = LRCoupling(optimizer, base, rule="none" if adascale else lr_rule,
                                    knee=lr_knee)
         self._couple = lr_rule not in ("none", "adascale")  # "none" never changes the LR: skip the per-step work
         # AdaScale (Johnson et al. 2020): the LR gain comes from the gradient statistics of each step.
-        self.adascale = AdaScaleLR(optimizer, base_batch_size or batch_size) if adascale else None
+        self.adascale = AdaScaleLR(optimizer, base) if adascale else None
         self.lr_schedulers = list(lr_schedulers)
         for scheduler in self.lr_schedulers:
             if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
@@ -660,7 +662,9 @@ class Pilot:
         else:
             self._clip(norm)
             overflow = self.scaler is not None and needs_norm and not math.isfinite(norm)
-            if self._optimizer_step(size, stats, overflow):
+            scaler_skipped = self._optimizer_step(size, stats, overflow)
+            lr *= stats.get("lr/adascale_gain", 1.0)  # the LR the step used (AdaScale scales it inside)
+            if scaler_skipped:
                 assert self.scaler is not None  # only the GradScaler skips a step in there
                 skipped = True
                 self.skipped_steps += 1

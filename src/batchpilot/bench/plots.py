@@ -149,7 +149,8 @@ def plot_bench(results: dict[str, Any], out: Path) -> dict[str, Path]:
             pts = [(p["epochs"], p["noise_scale"], p["batch_size"]) for p in run["curve"] if p.get("noise_scale")]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colours[label], lw=1.3,
                     label=None if label in seen else f"{label}: B_simple")
-            ax.step([p[0] for p in pts], [p[2] for p in pts], where="post", color=colours[label], lw=0.8, ls=":",
+            # A point's batch size is that of the step before the evaluation: it held up to the point.
+            ax.step([p[0] for p in pts], [p[2] for p in pts], where="pre", color=colours[label], lw=0.8, ls=":",
                     label=None if label in seen else f"{label}: batch size")
             seen.add(label)
         ax.set_yscale("log")

@@ -220,14 +220,14 @@ def _expand_text(item: str) -> list[str]:
     text = item.strip().lower()
     if text in NAMED_SETS:
         return [s for part in NAMED_SETS[text].split(",") for s in _expand_text(part)]
-    m = re.fullmatch(r"tuned-static:(\d+)-(\d+)", text)
+    m = re.fullmatch(r"tuned-static:(\d+)-(\d+)(@lr-rule=[\w-]+)?", text)
     if m:
-        lo, hi = int(m[1]), int(m[2])
+        lo, hi, suffix = int(m[1]), int(m[2]), m[3] or ""
         if lo < 1 or hi < lo:
             raise _bad(item, f"range {lo}-{hi} is empty; write tuned-static:A-B with 1 <= A <= B")
         sizes = []
         while lo <= hi:
-            sizes.append(f"tuned-static:{lo}")
+            sizes.append(f"tuned-static:{lo}{suffix}")
             lo *= 2
         return sizes
     return [item]

@@ -188,7 +188,8 @@ def _markdown(results: dict[str, Any], plots: dict[str, Path]) -> str:
             f"{_fmt(r['wall_s'], '.1f', ' s')} | {_fmt(r.get('samples_per_s'), ',.0f')} | {_fmt(r.get('load_avg_1min'), '.1f')} |"
         )
     lines += ["", "Steps and samples to target do not depend on the machine's load (same seed and thread "
-              "count, same numbers); wall times do. A high load average (other processes) marks a run whose time "
+              "count, same numbers), except for goodput and threshold-rules, whose decisions read step times and "
+              "CPU load; wall times do. A high load average (other processes) marks a run whose time "
               "is inflated; the cost-model column is immune to it."]
     if cfg:
         lines += ["", "## Setup", ""]

@@ -117,12 +117,23 @@ def on_device(data: Any, device: torch.device) -> Any:
 
 
 # --------------------------------------------------------------------------------------- the bench
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float (a time never reached, a ratio to it) as ``None``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json.tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
+            json.dump(_finite(data), f, indent=1)  # standard JSON: no Infinity/NaN for other tools to choke on
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

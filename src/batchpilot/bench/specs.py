@@ -82,7 +82,7 @@ def _adaptive_spec(plan: Plan, policy: Policy) -> RunSpec:
     controller = policy.make_controller(plan.num_samples, lo, hi)
     rule = policy.lr_rule or getattr(controller, "recommended_lr_rule", None) or plan.lr_rule
     required = getattr(controller, "required_stats", ())
-    noise = NOISE_EVERY if any(str(k).startswith("stats/") for k in required) else None
+    noise = NOISE_EVERY if rule == "adascale" or any(str(k).startswith("stats/") for k in required) else None
     return RunSpec(policy.name, lo, plan.base_lr, rule, plan.base_batch_size, plan.rule_lr(lo, rule),
                    noise_every=noise,
                    make_controller=functools.partial(policy.make_controller, min_size=lo, max_size=hi),
@@ -95,9 +95,11 @@ def policy_specs(plan: Plan, policy: Policy) -> list[RunSpec]:
         base = replace(policy, name=policy.name.partition("@lr-rule=")[0], lr_rule=None)
         specs = policy_specs(replace(plan, lr_rule=policy.lr_rule), base)
         suffix = f"@lr-rule={policy.lr_rule}"
-        # An explicit-LR cell does not depend on the rule: it keeps its name (and is shared).
+        # An explicit-LR cell does not depend on the rule: it keeps its name (and is shared). AdaScale measures
+        # gradient statistics (every NOISE_EVERY-th step, as the engine does): the cost model must know.
         return [replace(s, name=s.name if s.lr_rule == "none" and "@lr=" in s.name else s.name + suffix,
-                        policies=(policy.name,)) for s in specs]
+                        policies=(policy.name,),
+                        noise_every=NOISE_EVERY if s.lr_rule == "adascale" else s.noise_every) for s in specs]
     if policy.kind == "static":
         return [_static(plan, policy.batch_size, policy.lr, policy.name)]
     if policy.kind == "tuned-static":

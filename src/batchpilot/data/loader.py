@@ -425,6 +425,11 @@ class AdaptiveDataLoader:
         """Plan the remaining steps of the current epoch; yield each micro-batch's index list."""
         start_epoch = self.sampler.epoch
         while self.sampler.epoch == start_epoch:
+            s = self.sampler
+            if s.drop_last and s.offset > 0 and s.num_samples - s.offset < s.batch_size:
+                # Planning ahead stops at a tail to drop without dropping it: a smaller size decided before the
+                # next step may still take it (as without workers); the next loop drops it if not.
+                return
             parts = self._plan_step()
             if parts is None:
                 return

@@ -78,7 +78,7 @@ class SizeDriver:
         problems = []
         for check in (
             lambda: check_batch_size(batch_size),
-            lambda: check_bounds(min_batch_size, max_batch_size),
+            lambda: check_bounds(min_batch_size, max_batch_size, ("min_batch_size", "max_batch_size")),
             lambda: check_positive_int(decide_every, "decide_every"),
             lambda: check_choice(on_invalid, "on_invalid", ("raise", "keep")),
             lambda: check_positive_int(loss_history, "loss_history"),
