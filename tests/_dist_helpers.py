@@ -274,3 +274,33 @@ def set_size_worker(rank: int, world_size: int, init_file: str, out_dir: str, br
         error = str(err)
     Path(out_dir, f"set{rank}.json").write_text(json.dumps({"sizes": sizes, "error": error, "step": pilot.step}))
     finish()
+
+
+def refuse_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    """Rank 0's adjustment log was replaced by a shorter file: rank 0 refuses the checkpoint, and so must the
+    other ranks (else they load and go on while rank 0 stops)."""
+    import batchpilot
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    out = Path(out_dir)
+
+    def build(log: Path) -> batchpilot.Pilot:
+        model = make_model()
+        return batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.05), make_data(), batch_size=8,
+                                checkpoint_dir=out / "ckpt", checkpoint_every=2, log_path=log)
+
+    first = build(out / "log.jsonl")
+    for x, y in first.batches(max_steps=2):
+        first.backward(torch.nn.functional.cross_entropy(first._module(x), y))
+    first.close()
+    if rank == 0:
+        (out / "short.jsonl").write_text('{"type": "step"}\n')
+    dist.barrier()
+    second = build(out / "short.jsonl")
+    try:
+        second.load_checkpoint(out / "ckpt" / "step-000000002.pt")
+        result = {"error": None, "step": second.step}
+    except batchpilot.CheckpointError as err:
+        result = {"error": str(err), "step": second.step}
+    Path(out_dir, f"refuse{rank}.json").write_text(json.dumps(result))
+    finish()

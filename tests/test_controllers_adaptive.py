@@ -263,14 +263,17 @@ def test_noise_scale_factor_rounding_and_bounds():
 
 
 def test_noise_scale_rounds_after_the_step_limit():
-    # The limit first (32 x 1.5 = 48), then the grid: log2(48) = 5.58 -> 64; 64 x 1.5 = 96 is on the 32-grid;
-    # shrinking 256 / 1.5 = 170.7 -> 5 x 32 = 160. Every decision lies on the grid.
-    def decide(current, noise, **kw):
-        return NoiseScale(smoothing=0.0, max_change=1.5, min_measurements=0, **kw).decide(obs(50, current, ns(noise)))
+    # The limit first, then the grid, staying within the limit when a grid point there moves: 32 x 1.5 = 48
+    # has no pow2 move within x1.5 (32 is no move), so the nearest, 64; 64 x 1.5 = 96 is on the 32-grid;
+    # shrinking 256 / 1.5 = 170.7: the nearest 160 is past the limit, 192 is within it and moves.
+    def decide(current, noise, max_change=1.5, **kw):
+        return NoiseScale(smoothing=0.0, max_change=max_change, min_measurements=0, **kw).decide(
+            obs(50, current, ns(noise)))
 
     assert decide(32, 4000.0, round_to="pow2") == 64
     assert decide(64, 4000.0, round_to=32) == 96
-    assert decide(256, 40.0, round_to=32, allow_shrink=True) == 160
+    assert decide(256, 40.0, round_to=32, allow_shrink=True) == 192
+    assert decide(40, 4000.0, round_to=32, max_change=2.0) == 64  # 80 -> nearest 96 is past x2: 64
     assert decide(48, 4000.0, round_to="pow2") == 64  # 48 x 1.5 = 72 -> 64
     assert NoiseScale(10.0, smoothing=0.0, max_change=None, min_measurements=0).decide(obs(50, 256, ns(1e308))) == 4096  # 1e309 = inf: still 4096
     assert NoiseScale(smoothing=0.0, max_change=None, min_measurements=0).decide(obs(50, 8000, ns(100.0))) == 4096  # current above max: clamped

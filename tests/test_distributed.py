@@ -178,6 +178,13 @@ def test_set_batch_size_on_rank_0_alone_stops_every_rank_and_broadcast_int_fixes
             assert "different global sizes" in r["error"] and "broadcast_int" in r["error"]
 
 
+def test_a_checkpoint_rank_0_refuses_is_refused_on_every_rank(tmp_path):
+    mp.spawn(h.refuse_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"refuse{r}.json").read_text()) for r in range(2))
+    assert "was it replaced" in r0["error"] and "another rank refused it" in r1["error"]
+    assert r0["step"] == r1["step"] == 0  # nothing loaded anywhere
+
+
 def test_the_oom_recovery_benchmark_runs_on_a_tiny_budget(tmp_path):
     out = tmp_path / "bench"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "oom_recovery.py"), "--workload", "synthetic",

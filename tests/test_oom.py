@@ -263,3 +263,34 @@ def test_a_step_run_again_draws_the_same_dropout_masks():
     assert recovered["indices"] == reference["indices"]
     for a, b in zip(recovered["weights"], reference["weights"]):
         assert torch.equal(a, b)
+
+
+class NoisyData(torch.utils.data.Dataset):
+    """make_data() with random augmentation drawn in __getitem__ (in the main process: no workers)."""
+
+    def __init__(self) -> None:
+        self.base = make_data()
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int):
+        x, y = self.base[i]
+        return x + 0.1 * torch.randn(x.shape, dtype=x.dtype), y
+
+
+def test_a_step_run_again_fetches_with_the_same_random_augmentation():
+    def run(**kwargs):
+        torch.manual_seed(2)
+        model = MemoryLimited(**({"limit": 24} if kwargs.get("oom_recovery") else {}))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        pilot = batchpilot.Pilot(model, opt, NoisyData(), batch_size=40, seed=3, **kwargs)
+        for x, y in pilot.batches(max_steps=4):
+            with pilot.micro_step():
+                pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+        return pilot, [p.detach().clone() for p in model.parameters()]
+
+    recovered, weights = run(oom_recovery=True)
+    _, reference = run(max_micro_batch_size=20)
+    assert recovered.oom_replays == 1
+    assert all(torch.equal(a, b) for a, b in zip(weights, reference))

@@ -8,9 +8,11 @@ completion marker; a truncated or foreign file raises :class:`CheckpointError` n
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
 FORMAT = "batchpilot-checkpoint"
 VERSION = 1
 _NAME = re.compile(r"^step-(\d+)\.pt$")
+ORPHAN_AGE_S = 60.0  # a temporary checkpoint file unchanged this long, of a process that is gone, is an orphan
 _TMP = re.compile(r"^\.step-\d+\.pt\.tmp-(\d+)$")  # save_checkpoint's file while it writes
 
 
@@ -135,7 +138,9 @@ def prune_checkpoints(directory: str | os.PathLike, keep: int) -> None:
     for path in Path(directory).iterdir():
         match = _TMP.match(path.name)
         if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a file still being written (on another host) is left alone
+                if time.time() - path.stat().st_mtime > ORPHAN_AGE_S:
+                    path.unlink()
 
 
 def _alive(pid: int) -> bool:

@@ -229,12 +229,11 @@ class Pilot:
         if not trainable:
             raise ValueError("the model has no parameter with requires_grad=True: there is nothing to train.")
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        # The parameters trained: their gradients are reduced, measured, clipped. Trainable ones the optimizer
-        # does not hold (fine-tuning a head with requires_grad left on elsewhere) get .grad from backward but
-        # are never stepped; their .grad is dropped every step, else it would keep growing.
-        self._params = [p for p in trainable if id(p) in held]
-        self._unheld = [p for p in trainable if id(p) not in held]
-        if not self._params:
+        # Every trainable parameter's gradient is reduced, measured and clipped, and dropped after each step:
+        # also those the optimizer does not hold (yet: add_param_group later), whose .grad would else grow
+        # from step to step.
+        self._params = trainable
+        if not any(id(p) in held for p in trainable):
             raise ValueError(
                 "the optimizer holds none of the model's trainable parameters, so training would change nothing; "
                 "build it from this model's parameters, e.g. torch.optim.SGD(model.parameters(), ...)."
@@ -325,6 +324,8 @@ class Pilot:
         self._oom_error = ""
         self.oom_replays = 0  # steps run again after running out of memory
         self._step_rng: tuple[torch.Tensor, torch.Tensor | None] | None = None  # at the step's start (oom_recovery)
+        if oom_recovery:  # a step run again draws what one that fitted at once did (augmentation, dropout)
+            self.loader.on_step_start = self._snapshot_rng
         self._step_clock = time.perf_counter()
 
     # ------------------------------------------------------------------ properties
@@ -367,8 +368,9 @@ class Pilot:
 
         Like a controller's decision it is clamped to ``[min_batch_size, max_batch_size]`` and logged.
         Under DDP every rank must call it with the same value (a callback runs on every rank; broadcast a
-        value only rank 0 knows with ``batchpilot.distributed.broadcast_int``); a mismatch is detected at the
-        end of the next step and stops every rank.
+        value only rank 0 knows with ``batchpilot.distributed.broadcast_int``). A mismatch is detected at the
+        end of the next step and stops every rank, as long as every rank takes that step: one that ends an
+        epoch on one rank only (a ``drop_last`` tail) can leave the others waiting.
         """
         size = check_batch_size(batch_size)
         if self._micro is not None:  # inside a step: the step's end applies it in place of a decision
@@ -441,6 +443,8 @@ class Pilot:
         finally:
             if self._step_open:
                 self._discard_open_step()
+            elif self.loader.drop_pending_tail():  # stopped where only a tail is left: the epoch stays done
+                self._report_drops()
             if self.coupling.is_scaled:
                 self.coupling.unscale()
             self._micro = None
@@ -455,9 +459,12 @@ class Pilot:
                                          "epoch": self.loader.sampler.epoch - 1}, warn=False)
             self._dropped_reported = dropped
 
+    def _snapshot_rng(self) -> None:
+        self._step_rng = torch_rng(self.device)
+
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        for p in self._unheld:
+        for p in self._params:  # the optimizer's zero_grad misses trainable parameters it does not hold
             p.grad = None
 
     def _discard_open_step(self) -> None:
@@ -478,11 +485,8 @@ class Pilot:
         self._micro = micro
         self._step_open = True
         self._backward_done = False
-        if micro.micro_index == 0:
-            if self._noise is not None:
-                self._noise.begin_step(micro.step)
-            if self.oom_recovery:  # a step run again draws the same dropout masks as one that fits at once
-                self._step_rng = torch_rng(self.device)
+        if micro.micro_index == 0 and self._noise is not None:
+            self._noise.begin_step(micro.step)
         data = _to_device(micro.data, self.device)
         self._meter.begin_micro()
         if self._ddp_model is None and not self.amp:
@@ -894,6 +898,8 @@ class Pilot:
                 f"the checkpoint has {len(state['lr_schedulers'])} LR schedulers but this Pilot has "
                 f"{len(self.lr_schedulers)}; build the Pilot with the same lr_schedulers."
             )
+        if self.world_size > 1 and bpdist.all_reduce_min_int(0 if problems else 1) == 0 and not problems:
+            problems.append("another rank refused it (rank 0 checks the adjustment log; see its error)")
         if problems:
             raise CheckpointError("the checkpoint does not fit this Pilot (nothing was loaded):\n  - "
                                   + "\n  - ".join(problems))

@@ -146,13 +146,22 @@ class NoiseScale:
             why = "within the hysteresis band" if target * band >= size else "below, and allow_shrink=False"
             self.reason = f"{prefix} {why} of {size}; kept {size}"
             return size
-        # The step limit first, then the rounding: the size always lies on the round_to grid (which may move
-        # it a little past max_change).
+        # The step limit first, then the rounding: the size always lies on the round_to grid. When the nearest
+        # grid point lies past max_change, the grid point on the near side is taken if it still moves; only
+        # when no grid point moves within the limit does the decision go one grid point past it.
+        grow = target > size
         limited = min(target, 4.0 * self.max_size)
         if self.max_change is not None:  # as limit_step: at most x max_change, at least one sample
-            limited = min(max(limited, min(size - 1, size / self.max_change)), max(size + 1, size * self.max_change))
-        new = self._round_and_clamp(max(limited, 1.0))
-        moved = new > size if target > size else new < size
+            lo, hi = min(size - 1, size / self.max_change), max(size + 1, size * self.max_change)
+            limited = min(max(limited, lo), hi)
+            new = self._round_and_clamp(max(limited, 1.0))
+            if (new > hi if grow else new < lo) and self.round_to is not None:
+                inner = self._round_and_clamp(max(limited, 1.0), toward_current=grow)
+                if (inner > size if grow else inner < size):
+                    new = inner
+        else:
+            new = self._round_and_clamp(max(limited, 1.0))
+        moved = new > size if grow else new < size
         if not moved:
             self.reason = f"{prefix}: rounding/bounds give {new}, no move from {size}; kept {size}"
             return size
@@ -167,16 +176,21 @@ class NoiseScale:
             self._log_ema = keep * self._log_ema + (1.0 - keep) * log_noise
             self._last_step = step
 
-    def _round_and_clamp(self, target: float) -> int:
+    def _round_and_clamp(self, target: float, toward_current: bool | None = None) -> int:
+        """``target`` on the ``round_to`` grid and within the bounds: the nearest grid point, or with
+        ``toward_current`` True (growing) / False (shrinking) the one below / above ``target``."""
         # Far above max_size every rounding lands above it too: cap first, so inf never reaches int().
         target = min(target, 4.0 * self.max_size)
+        pick = round if toward_current is None else (math.floor if toward_current else math.ceil)
         if self.round_to is None:
             size = round_half_up(target)
         elif self.round_to == "pow2":
-            size = round_half_up(2.0 ** round(math.log2(target)))
+            exponent = math.log2(target)
+            size = round_half_up(2.0 ** (round(exponent) if toward_current is None else pick(exponent)))
         else:
             quantum = int(self.round_to)
-            size = max(quantum, quantum * round_half_up(target / quantum))
+            steps = round_half_up(target / quantum) if toward_current is None else pick(target / quantum)
+            size = max(quantum, quantum * steps)
         return clamp(size, self.min_size, self.max_size)
 
     def state_dict(self) -> dict[str, Any]:

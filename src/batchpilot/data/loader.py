@@ -141,10 +141,21 @@ class _SeededDataset(Dataset):
     (loader seed, step, micro-batch, rank). Random augmentation in ``__getitem__`` then depends neither on
     which worker fetched the batch nor on how many there are, and a resumed run draws what the interrupted
     one did (persistent workers' own streams could not be restored). In the main process nothing is seeded:
-    there the global generators, saved in checkpoints, are drawn from as usual."""
+    there the global generators, saved in checkpoints, are drawn from as usual.
+
+    Attributes are read from and written to the user's dataset, so a ``worker_init_fn`` that sets something
+    on ``get_worker_info().dataset`` (a per-worker file handle, say) reaches it."""
 
     def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
+        object.__setattr__(self, "dataset", dataset)
+
+    def __getattr__(self, name: str) -> Any:  # only for names the wrapper does not have itself
+        if name == "dataset":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.dataset, name, value)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -277,6 +288,7 @@ class AdaptiveDataLoader:
         self._current: tuple[int, int, int, int, int] | None = None  # step position of the last micro yielded
         self._next_step = 0  # index of the next step to plan
         self.min_accumulation: Callable[[int], int] | None = None  # step index -> least micro-batches
+        self.on_step_start: Callable[[], None] | None = None  # called before a step's first micro-batch is fetched
         self._wrapped: Iterable[Any] | None = None
         self._seed_fetches = False  # workers fetch each micro-batch with seeded generators (_SeededDataset)
         self._plan_moves = self.sampler.moves  # the sampler's set_epoch count when the plans were made
@@ -323,6 +335,11 @@ class AdaptiveDataLoader:
         s = self.sampler
         at_tail = s.drop_last and s.offset > 0 and s.num_samples - s.offset < s.batch_size
         return s.epoch + at_tail
+
+    def drop_pending_tail(self) -> bool:
+        """Between steps, with nothing planned: drop the epoch's tail now if it is all that is left (for a
+        loop that stops there, so the epoch it counted as done stays done). Returns whether it dropped."""
+        return not self._planned and self.sampler.drop_tail()
 
     def next_step_size(self) -> int:
         """Samples in the next global batch: the batch size, or the rest of the epoch when fewer are left
@@ -476,6 +493,8 @@ class AdaptiveDataLoader:
                 if self.sampler.epoch != start_epoch or self._plan_step() is None:
                     return
             planned = self._planned[0]
+            if planned.micro_index == 0 and self.on_step_start is not None:
+                self.on_step_start()  # before the fetch: it may draw random numbers (augmentation)
             data = self._fetch(planned.indices)
             self._planned.popleft()
             yield self._micro(planned, data)
@@ -499,6 +518,8 @@ class AdaptiveDataLoader:
                 self._pull()
             data = self._pending.popleft()
             self._planned.popleft()
+            if planned.micro_index == 0 and self.on_step_start is not None:
+                self.on_step_start()
             yield self._micro(planned, data)
 
     def _pull(self) -> None:

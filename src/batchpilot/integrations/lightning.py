@@ -296,7 +296,7 @@ class AdaptiveBatchSize(Callback):
         their number changes, and an int must end on a step boundary (else Lightning steps on a partial
         accumulation and the next epoch replays part of it)."""
         limit, accumulation = trainer.limit_train_batches, trainer.accumulate_grad_batches
-        if isinstance(limit, float) and limit != 1.0:
+        if isinstance(limit, float) and limit not in (0.0, 1.0):  # 0.0 skips training, 1.0 is every batch
             raise ValueError(
                 f"limit_train_batches={limit} is a fraction of the epoch's batches, and their number changes with "
                 "the batch size; pass an int (micro-batches per epoch, a multiple of accumulate_grad_batches) or "
