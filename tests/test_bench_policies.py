@@ -225,11 +225,14 @@ def test_targets_without_adaptive_or_when_it_misses():
     assert math.isfinite(t["c"]["value"])
 
 
-def test_finder_picks_among_powers_of_two_only():
+def test_finder_picks_among_the_grid_not_the_policies_sizes():
     # 100 was calibrated only because a policy asked for it: it must not change the finder's pick.
     cal = Calibration(sizes=[32, 64, 100, 128], step_s=[0.010, 0.012, 0.0130, 0.016],
                       probe_step_s=[0.020, 0.022, 0.023, 0.026])
-    assert cal.finder_size() == 128  # 100 (7692/s) is within 5% of 128's 8000/s, but it is not a power of two
+    assert cal.finder_size() == 100  # 100 (7692/s) is within 5% of 128's 8000/s
+    assert cal.finder_size(among=size_grid(32, 128)) == 128  # the grid without the policies' sizes
+    capped = Calibration(sizes=[32, 64, 96], step_s=[0.010, 0.012, 0.0125], probe_step_s=[0.02, 0.022, 0.0225])
+    assert capped.finder_size(among=size_grid(32, 96)) == 96  # a largest batch off the powers of two counts
 
 
 def test_adascale_policies_measure_statistics_in_the_cost_model_too():

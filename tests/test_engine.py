@@ -719,11 +719,15 @@ def test_drop_last_reports_the_dropped_tail(tmp_path):
     for x, y in pilot.batches(epochs=2):
         seen += len(x)
         pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
-    # 3 x 16 per epoch, 2 left each time; stopping at epoch 1's last full step drops its tail: the epoch is done
-    assert seen == 96 and pilot.epoch == 2 and pilot.coverage == 0.0 and pilot.loader.sampler.dropped_samples == 4
-    pilot.set_batch_size(2)  # would take a 2-sample tail, but that epoch is over: epoch 2 starts
-    assert pilot.epoch == 2 and pilot.loader.position()[:2] == (2, 0)
+    # 3 x 16 per epoch, 2 left each time; training stops at epoch 1's last full step. Its tail is dropped only
+    # when a next step starts (a size small enough for it could still take it), which keeps the position in
+    # memory and in a checkpoint saved at that step the same.
+    assert seen == 96 and pilot.epoch == 2 and pilot.coverage == 0.0 and pilot.loader.sampler.dropped_samples == 2
+    for x, y in pilot.batches(epochs=3):  # goes on: epoch 1's tail is dropped as the loop starts
+        seen += len(x)
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
     pilot.close()
+    assert seen == 144 and pilot.loader.sampler.dropped_samples == 4
     events = [r for r in batchpilot.read_log(tmp_path / "log.jsonl") if r["type"] == "event"]
     assert [(e["event"], e["samples"], e["epoch"]) for e in events] == [("dropped_last", 2, 0), ("dropped_last", 2, 1)]
 
@@ -875,3 +879,30 @@ def test_a_half_written_checkpoint_of_a_killed_writer_is_removed(tmp_path):
     for x, y in pilot.batches(max_steps=2):
         pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000002.pt"]
+
+
+def test_parameters_unfrozen_during_training_are_measured_from_then_on():
+    # Progressive unfreezing: the body is frozen when the Pilot is built and unfrozen (and given to the
+    # optimizer) by a callback after step 4. Each step's grad/norm must cover every gradient the optimizer
+    # steps with (the engine reduces, clips and measures the same list; under DDP a missing parameter was
+    # never all-reduced).
+    ds, model = make_problem()
+    body, head = model[0], model[2]
+    body.requires_grad_(False)
+    optimizer = torch.optim.SGD(head.parameters(), lr=0.1)
+    pilot = batchpilot.Pilot(model, optimizer, ds, batch_size=8)
+    norms, recorded = [], []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: norms.append(float(torch.linalg.vector_norm(
+        torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])))))
+
+    def callback(p, record):
+        recorded.append(record["grad/norm"])
+        if p.step == 4:
+            body.requires_grad_(True)
+            optimizer.add_param_group({"params": body.parameters()})
+
+    pilot.add_callback(callback)
+    for x, y in pilot.batches(max_steps=8):
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    assert recorded == pytest.approx(norms, rel=1e-12)
+    assert all(p.grad is None for p in model.parameters())

@@ -225,13 +225,14 @@ class Pilot:
             # A rank that fails inside a forward would leave the ranks' collectives out of step; the engine
             # broadcasts the buffers itself at each step's end instead.
             self._ddp_model.require_forward_param_sync = False
-        trainable = [p for p in model.parameters() if p.requires_grad]
+        self._all_params = list(model.parameters())
+        trainable = [p for p in self._all_params if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no parameter with requires_grad=True: there is nothing to train.")
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         # Every trainable parameter's gradient is reduced, measured and clipped, and dropped after each step:
         # also those the optimizer does not hold (yet: add_param_group later), whose .grad would else grow
-        # from step to step.
+        # from step to step. Re-read when a loop starts and after callbacks (progressive unfreezing).
         self._params = trainable
         if not any(id(p) in held for p in trainable):
             raise ValueError(
@@ -414,6 +415,7 @@ class Pilot:
 
         if self._couple and not self.coupling.is_scaled:
             self.coupling.scale(self.loader.next_step_size())
+        self._refresh_params()
         self._zero_grad()  # nothing left over from before (e.g. an LR range test) adds to the first step
         self._step_clock = time.perf_counter()
         try:
@@ -443,8 +445,6 @@ class Pilot:
         finally:
             if self._step_open:
                 self._discard_open_step()
-            elif self.loader.drop_pending_tail():  # stopped where only a tail is left: the epoch stays done
-                self._report_drops()
             if self.coupling.is_scaled:
                 self.coupling.unscale()
             self._micro = None
@@ -458,6 +458,10 @@ class Pilot:
             self._event("dropped_last", {"samples": dropped - self._dropped_reported,
                                          "epoch": self.loader.sampler.epoch - 1}, warn=False)
             self._dropped_reported = dropped
+
+    def _refresh_params(self) -> None:
+        """The trainable parameters now (``requires_grad`` may change between steps)."""
+        self._params = [p for p in self._all_params if p.requires_grad]
 
     def _snapshot_rng(self) -> None:
         self._step_rng = torch_rng(self.device)
@@ -726,6 +730,8 @@ class Pilot:
             self.coupling.scale(self.loader.next_step_size())
         for fn in self._callbacks:
             fn(self, record)  # may set_batch_size() or load_checkpoint(): both re-apply the LR factor
+        if self._callbacks:
+            self._refresh_params()  # a callback may have unfrozen (or frozen) parameters
         if self.checkpoint_every is not None and self.step % self.checkpoint_every == 0:
             self.save_checkpoint()
         self._step_clock = time.perf_counter()

@@ -93,12 +93,14 @@ class Calibration:
         """Samples per second at each calibrated size (plain steps)."""
         return {b: b / t for b, t in zip(self.sizes, self.step_s) if t > 0}
 
-    def finder_size(self, max_size: int | None = None, tolerance: float = FINDER_TOLERANCE) -> int:
-        """The smallest calibrated power of two within ``tolerance`` of the best throughput (sizes <=
-        ``max_size``). Other sizes calibrated for the policies' own sizes do not count, so the pick does not
-        depend on which policies are run."""
+    def finder_size(self, max_size: int | None = None, tolerance: float = FINDER_TOLERANCE,
+                    among: Sequence[int] | None = None) -> int:
+        """The smallest calibrated size within ``tolerance`` of the best throughput (sizes <= ``max_size``,
+        and in ``among`` when given: the benchmark passes its grid without the policies' own sizes, so the
+        pick does not depend on which policies are run)."""
         rates = {b: r for b, r in self.throughput().items() if max_size is None or b <= max_size}
-        rates = {b: r for b, r in rates.items() if b & (b - 1) == 0} or rates
+        if among is not None:
+            rates = {b: r for b, r in rates.items() if b in set(among)} or rates
         if not rates:
             raise ValueError(f"no calibrated batch size is <= {max_size}; calibrate smaller sizes.")
         best = max(rates.values())

@@ -225,7 +225,7 @@ def run_benchmark(
         show.note(f"calibrating step times at batch sizes {', '.join(map(str, sizes))} ...")
         cal = calibrate(wl, train, sizes, steps=calibrate_steps)
         show.note(f"calibration took {cal.seconds:.1f} s")
-    finder = cal.finder_size(hi)
+    finder = cal.finder_size(hi, among=size_grid(lo, hi))  # not the sizes calibrated for the policies
     show.note(f"finder picks batch {finder}")
 
     plan = Plan(wl.base_lr, wl.base_batch_size, wl.lr_rule, n, lo, hi, finder, tuple(tune_factors),
@@ -239,7 +239,8 @@ def run_benchmark(
         "policies": {p.name: {"category": p.category, "runs": members[p.name],
                               "description": DESCRIPTIONS.get(p.kind, "")} for p in pols},
         "calibration": cal.to_json(),
-        "finder": {"batch_size": finder, "rule": "smallest calibrated size within 5% of the best throughput",
+        "finder": {"batch_size": finder, "rule": "smallest size of the calibration grid (powers of two from the "
+                   "smallest to the largest batch) within 5% of the best throughput",
                    "max_size": hi, "measure_s": cal.plain_seconds},
         "config": {
             "policies": [p.name for p in pols],

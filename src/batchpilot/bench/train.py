@@ -95,7 +95,7 @@ class _Run:
         now = time.perf_counter()
         t = self.train_time(now)
         step, samples = record["step"], record["samples_seen"]
-        self.last = {"step": step, "samples_seen": samples}
+        self.last = {"step": step, "samples_seen": samples, "batch_size": self.batch_sizes[-1]["batch_size"]}
         if self.calibration is not None:
             # The engine measured gradient statistics on 0-based step indices divisible by noise_every.
             probe = self.noise_every is not None and (step - 1) % self.noise_every == 0
@@ -152,7 +152,8 @@ def train_one(workload: Workload, spec: RunSpec, seed: int, train: TensorDataset
         pilot.close()
     wall = run.stopped_at if run.stopped_at is not None else run.train_time()
     if run.curve[-1]["samples_seen"] != run.last["samples_seen"]:  # the run ended between evaluations
-        run.evaluate(wall, run.last["step"], run.last["samples_seen"], run.batch_sizes[-1]["batch_size"], final=True)
+        # The policy's size of the last step trained (batch_sizes[-1] may be a next size never trained).
+        run.evaluate(wall, run.last["step"], run.last["samples_seen"], run.last["batch_size"], final=True)
     reached = run.reached
 
     def at_target(key: str) -> Any:

@@ -17,6 +17,7 @@ consumer, and no index is lost or repeated. The cost is one discarded prefetch w
 from __future__ import annotations
 
 import collections
+import copy
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -147,21 +148,27 @@ class _SeededDataset(Dataset):
     on ``get_worker_info().dataset`` (a per-worker file handle, say) reaches it."""
 
     def __init__(self, dataset: Any) -> None:
-        object.__setattr__(self, "dataset", dataset)
+        object.__setattr__(self, "_bp_dataset", dataset)  # a name no user dataset is likely to have
 
     def __getattr__(self, name: str) -> Any:  # only for names the wrapper does not have itself
-        if name == "dataset":  # not set yet (unpickling): no recursion
+        if name == "_bp_dataset":  # not set yet (unpickling): no recursion
             raise AttributeError(name)
-        return getattr(self.dataset, name)
+        return getattr(self._bp_dataset, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self.dataset, name, value)
+        setattr(self._bp_dataset, name, value)
+
+    def __copy__(self) -> _SeededDataset:  # the user's __copy__/__deepcopy__ must not replace the wrapper
+        return _SeededDataset(self._bp_dataset)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _SeededDataset:
+        return _SeededDataset(copy.deepcopy(self._bp_dataset, memo))
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(self._bp_dataset)
 
     def __getitem__(self, index: int) -> Any:
-        return self.dataset[index]
+        return self._bp_dataset[index]
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
         seed = getattr(indices, "seed", None)
@@ -170,8 +177,8 @@ class _SeededDataset(Dataset):
             random.seed(seed)
             np.random.seed(seed % 2**32)
         items = list(indices)
-        getitems = getattr(self.dataset, "__getitems__", None)
-        return getitems(items) if getitems else [self.dataset[i] for i in items]
+        getitems = getattr(self._bp_dataset, "__getitems__", None)
+        return getitems(items) if getitems else [self._bp_dataset[i] for i in items]
 
 
 class _PlanBatchSampler:
@@ -336,11 +343,6 @@ class AdaptiveDataLoader:
         at_tail = s.drop_last and s.offset > 0 and s.num_samples - s.offset < s.batch_size
         return s.epoch + at_tail
 
-    def drop_pending_tail(self) -> bool:
-        """Between steps, with nothing planned: drop the epoch's tail now if it is all that is left (for a
-        loop that stops there, so the epoch it counted as done stays done). Returns whether it dropped."""
-        return not self._planned and self.sampler.drop_tail()
-
     def next_step_size(self) -> int:
         """Samples in the next global batch: the batch size, or the rest of the epoch when fewer are left
         (with ``drop_last``, such a rest is dropped and the next epoch's first batch counts). Call between
@@ -451,6 +453,8 @@ class AdaptiveDataLoader:
             if parts is None:
                 return
             for part in parts:
+                if part.micro_index == 0 and self.on_step_start is not None and self.num_workers == 0:
+                    self.on_step_start()  # a DataLoader without workers (pin_memory) fetches right after this
                 indices = _SeededIndices(part.indices.tolist())
                 if self._seed_fetches:
                     entropy = [self.sampler.seed, part.position[4], part.micro_index, self.sampler.rank]
@@ -518,8 +522,8 @@ class AdaptiveDataLoader:
                 self._pull()
             data = self._pending.popleft()
             self._planned.popleft()
-            if planned.micro_index == 0 and self.on_step_start is not None:
-                self.on_step_start()
+            if planned.micro_index == 0 and self.on_step_start is not None and self.num_workers > 0:
+                self.on_step_start()  # (without workers, _emit calls it before the DataLoader fetches)
             yield self._micro(planned, data)
 
     def _pull(self) -> None:
