@@ -138,8 +138,8 @@ def prune_checkpoints(directory: str | os.PathLike, keep: int) -> None:
     for path in Path(directory).iterdir():
         match = _TMP.match(path.name)
         if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
-            with contextlib.suppress(OSError):  # a file still being written (on another host) is left alone
-                if time.time() - path.stat().st_mtime > ORPHAN_AGE_S:
+            with contextlib.suppress(OSError):  # removed meanwhile
+                if time.time() - path.stat().st_mtime > ORPHAN_AGE_S:  # not one being written (on another host)
                     path.unlink()
 
 

@@ -339,9 +339,7 @@ class AdaptiveDataLoader:
         left of the epoch is a tail that ``drop_last`` will drop (call between steps)."""
         if self._planned:
             return self._planned[0].position[0]
-        s = self.sampler
-        at_tail = s.drop_last and s.offset > 0 and s.num_samples - s.offset < s.batch_size
-        return s.epoch + at_tail
+        return self.sampler.epoch + self.sampler.at_tail_to_drop()
 
     def next_step_size(self) -> int:
         """Samples in the next global batch: the batch size, or the rest of the epoch when fewer are left
@@ -444,8 +442,7 @@ class AdaptiveDataLoader:
         """Plan the remaining steps of the current epoch; yield each micro-batch's index list."""
         start_epoch = self.sampler.epoch
         while self.sampler.epoch == start_epoch:
-            s = self.sampler
-            if s.drop_last and s.offset > 0 and s.num_samples - s.offset < s.batch_size:
+            if self.sampler.at_tail_to_drop():
                 # Planning ahead stops at a tail to drop without dropping it: a smaller size decided before the
                 # next step may still take it (as without workers); the next loop drops it if not.
                 return

@@ -175,11 +175,14 @@ class AdaptiveBatchSampler:
         take it; a loop that starts there calls this first so that it trains the next epoch instead of
         ending at once. Returns whether a tail was dropped.
         """
-        remaining = self.num_samples - self.offset
-        if not (self.drop_last and self.offset > 0 and remaining < self._batch_size):
+        if not self.at_tail_to_drop():
             return False
-        self._drop(remaining)
+        self._drop(self.num_samples - self.offset)
         return True
+
+    def at_tail_to_drop(self) -> bool:
+        """With ``drop_last``: only a tail smaller than the batch size is left of the current epoch."""
+        return self.drop_last and self.offset > 0 and self.num_samples - self.offset < self._batch_size
 
     def _drop(self, remaining: int) -> None:
         self.dropped_samples += remaining
