@@ -225,16 +225,14 @@ class Pilot:
             # A rank that fails inside a forward would leave the ranks' collectives out of step; the engine
             # broadcasts the buffers itself at each step's end instead.
             self._ddp_model.require_forward_param_sync = False
-        self._all_params = list(model.parameters())
-        trainable = [p for p in self._all_params if p.requires_grad]
-        if not trainable:
-            raise ValueError("the model has no parameter with requires_grad=True: there is nothing to train.")
-        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         # Every trainable parameter's gradient is reduced, measured and clipped, and dropped after each step:
         # also those the optimizer does not hold (yet: add_param_group later), whose .grad would else grow
         # from step to step. Re-read when a loop starts and after callbacks (progressive unfreezing).
-        self._params = trainable
-        if not any(id(p) in held for p in trainable):
+        self._all_params = list(model.parameters())
+        self._refresh_params()
+        if not self._params:
+            raise ValueError("the model has no parameter with requires_grad=True: there is nothing to train.")
+        if len(self._unheld) == len(self._params):
             raise ValueError(
                 "the optimizer holds none of the model's trainable parameters, so training would change nothing; "
                 "build it from this model's parameters, e.g. torch.optim.SGD(model.parameters(), ...)."
@@ -383,8 +381,7 @@ class Pilot:
         self._log_decision(current, new, "user", note, self.last_record)
         self.loader.set_batch_size(new)
         if self.coupling.is_scaled:  # inside batches(): the next step's LR follows its size
-            self.coupling.unscale()
-            self.coupling.scale(self.loader.next_step_size())
+            self._rescale_lr()
 
     # ------------------------------------------------------------------ the loop
     def batches(
@@ -460,15 +457,24 @@ class Pilot:
             self._dropped_reported = dropped
 
     def _refresh_params(self) -> None:
-        """The trainable parameters now (``requires_grad`` may change between steps)."""
+        """The trainable parameters now, and those of them the optimizer does not hold (``requires_grad`` and
+        the optimizer's param groups may change between steps)."""
         self._params = [p for p in self._all_params if p.requires_grad]
+        held = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        self._unheld = [p for p in self._params if id(p) not in held]
+
+    def _rescale_lr(self) -> None:
+        """Put in the LR factor of the next step's real size (in place of any factor in now)."""
+        if self.coupling.is_scaled:
+            self.coupling.unscale()
+        self.coupling.scale(self.loader.next_step_size())
 
     def _snapshot_rng(self) -> None:
         self._step_rng = torch_rng(self.device)
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        for p in self._params:  # the optimizer's zero_grad misses trainable parameters it does not hold
+        for p in self._unheld:  # the optimizer's zero_grad misses trainable parameters it does not hold
             p.grad = None
 
     def _discard_open_step(self) -> None:
@@ -930,9 +936,7 @@ class Pilot:
         if self._tb is not None:
             self._tb.resume_after(self.samples_seen)
         if in_loop:  # the loop goes on with the loaded position: its next step's LR factor
-            if self.coupling.is_scaled:
-                self.coupling.unscale()
-            self.coupling.scale(self.loader.next_step_size())
+            self._rescale_lr()
 
     def _keep_own_settings(self, drop_last: bool, micro: int | None) -> None:
         """After loading: ``drop_last`` is this Pilot's, and the micro-batch bound the smaller of this Pilot's

@@ -152,6 +152,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
             decide_every=decide_every, on_invalid=on_invalid,
         )
         self._bp_lr = (lr_rule, lr_knee)
+        self._bp_controller_start: dict[str, Any] | None = None
         driver = self._new_driver(num_samples=1)  # validate the settings now, not at train() time
         # Each train() that does not resume starts the controller afresh (a second call, hyperparameter_search)
         # from the state it had here; a resumed one loads the checkpoint's.
@@ -213,9 +214,8 @@ class AdaptiveBatchSizeTrainer(Trainer):
             batch_size=self.initial_batch_size, num_samples=num_samples, rank=self.args.process_index,
             **self._bp_options,
         )
-        start = getattr(self, "_bp_controller_start", None)
-        if start is not None and driver.controller is not None:
-            driver.controller.load_state_dict(copy.deepcopy(start))
+        if self._bp_controller_start is not None and driver.controller is not None:
+            driver.controller.load_state_dict(copy.deepcopy(self._bp_controller_start))
         return driver
 
     # ------------------------------------------------------------------ training entry
