@@ -499,6 +499,8 @@ def test_critical_batch_says_why_there_is_no_fit():
 
     flat = critical_batch(_epochs_summary({"static:64": 5.0, "static:128": 5.0, "static:256": 4.0}), [])
     assert flat["b_crit"] is None and "beyond 256" in flat["note"] and flat["b_simple_at_target"] is None
+    steep = critical_batch(_epochs_summary({"static:32": 1.0, "static:64": 3.0, "static:128": 7.0}), [])
+    assert steep["b_crit"] is None and "at or below 32" in steep["note"]  # fit -1 + 0.0625 B
     two = critical_batch(_epochs_summary({"static:64": 5.0, "static:128": 6.0}), [])
     assert two["b_crit"] is None and "needs 3" in two["note"]
     assert critical_batch({}, [])["points"] == []

@@ -225,6 +225,37 @@ def test_targets_without_adaptive_or_when_it_misses():
     assert math.isfinite(t["c"]["value"])
 
 
+def test_targets_are_not_judged_for_policies_without_runs():
+    # A partial results.json (written after every run): static:32 and goodput have no run yet.
+    runs = [run("static:512", 0, 10.0), run("noise-scale", 0, 8.0)]
+    summary, best = summarize(runs, ["static:512", "static:32", "goodput", "noise-scale"])
+    t = evaluate_targets(summary, best, {"median_s": 100.0}, "static:32", default_workload=True)
+    assert t["best_adaptive"] == "noise-scale" and t["a"]["status"] == "PASS"
+    assert t["b"]["status"] == "N/A" and "no finished run yet" in t["b"]["text"]
+    summary, best = summarize(runs[:1], ["static:512", "static:32", "goodput"])
+    t = evaluate_targets(summary, best, {"median_s": 100.0}, "static:32", default_workload=True)
+    assert t["best_adaptive"] is None and {t[k]["status"] for k in "abc"} == {"N/A"}
+    assert "no adaptive run has finished yet" in t["a"]["text"]
+
+
+def test_targets_when_the_untrained_model_already_meets_the_target():
+    summary, best = _summary(0.0, static_t=0.0, untuned_t=0.0)
+    assert summary["noise-scale"]["ratio_vs_best_static"] is None
+    t = evaluate_targets(summary, best, {"median_s": 1.0}, "static:32", default_workload=True)
+    assert {t[k]["status"] for k in "abc"} == {"N/A"} and "raise --target-accuracy" in t["a"]["text"]
+
+
+def test_the_cost_ratio_divides_by_the_best_statics_own_cost():
+    # static:512 is the best by wall time (10 s) but static:1024 is cheaper by the cost model (8 s):
+    # the cost ratio still divides by static:512's cost (12 s), the policy the report names.
+    runs = [run("static:512", 0, 10.0, cost=12.0), run("static:1024", 0, 11.0, cost=8.0),
+            run("noise-scale", 0, 15.0, cost=18.0)]
+    summary, best = summarize(runs)
+    assert best == "static:512"
+    assert summary["noise-scale"]["cost_ratio_vs_best_static"] == 1.5
+    assert summary["static:1024"]["cost_ratio_vs_best_static"] == pytest.approx(8 / 12)
+
+
 def test_finder_picks_among_the_grid_not_the_policies_sizes():
     # 100 was calibrated only because a policy asked for it: it must not change the finder's pick.
     cal = Calibration(sizes=[32, 64, 100, 128], step_s=[0.010, 0.012, 0.0130, 0.016],

@@ -240,6 +240,41 @@ def test_an_evaluation_made_only_because_a_run_stopped_never_reaches_the_target(
     assert run.reached is not None and run.reached["step"] == 5
 
 
+def _always_right_run(target=0.5):
+    from torch.utils.data import TensorDataset
+
+    from batchpilot.bench.train import _Run
+
+    test = TensorDataset(torch.randn(20, 3), torch.zeros(20, dtype=torch.long))
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight.zero_()
+        model.bias.copy_(torch.tensor([1.0, 0.0]))  # always class 0: accuracy 1.0
+    return _Run(model, test, 100, target=target, budget_s=1.0, eval_every=0.25, on_eval=lambda p, r: None,
+                calibration=None, noise_every=None)
+
+
+class _Pilot:
+    batch_size = 10
+
+
+def test_a_run_whose_untrained_model_meets_the_target_stops_before_training():
+    run = _always_right_run()
+    run.begin(10)
+    assert run.done and run.stop_reason == "target" and run.stopped_at == 0.0 and run.reached["time_s"] == 0.0
+
+
+def test_a_divergence_between_evaluation_points_does_not_reach_the_target():
+    # A non-finite loss stops the run and is evaluated at once, off the quarter-epoch grid (at 10 of 25
+    # samples): that evaluation records the accuracy but, like any off-grid one, cannot reach the target.
+    run = _always_right_run(target=1.01)
+    run.begin(10)
+    run.target = 0.5
+    run(_Pilot(), {"step": 1, "samples_seen": 10, "batch/global_size": 10, "loss": float("nan")})
+    assert run.diverged and run.done and run.stop_reason == "diverged"
+    assert run.reached is None and run.curve[-1]["samples_seen"] == 10
+
+
 def test_results_json_is_standard_json(tmp_path):
     from batchpilot.bench.runner import _write_json
 

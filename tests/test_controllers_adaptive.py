@@ -275,6 +275,10 @@ def test_noise_scale_rounds_after_the_step_limit():
     assert decide(256, 40.0, round_to=32, allow_shrink=True) == 192
     assert decide(40, 4000.0, round_to=32, max_change=2.0) == 64  # 80 -> nearest 96 is past x2: 64
     assert decide(48, 4000.0, round_to="pow2") == 64  # 48 x 1.5 = 72 -> 64
+    # Without a grid the limit is floored, as Goodput's: 33 x 1.5 = 49.5 gives 49, not 50 (x1.515).
+    assert decide(33, 4000.0, round_to=None) == 49
+    assert decide(33, 1.0, round_to=None, allow_shrink=True, min_size=1) == 22  # 33 / 1.5 = 22 exactly
+    assert decide(34, 1.0, round_to=None, allow_shrink=True, min_size=1) == 23  # 34 / 1.5 = 22.7: at most /1.5, so 23
     assert NoiseScale(10.0, smoothing=0.0, max_change=None, min_measurements=0).decide(obs(50, 256, ns(1e308))) == 4096  # 1e309 = inf: still 4096
     assert NoiseScale(smoothing=0.0, max_change=None, min_measurements=0).decide(obs(50, 8000, ns(100.0))) == 4096  # current above max: clamped
 

@@ -13,7 +13,7 @@ Policies:
 * ``static:N`` — batch N throughout at the rule LR. ``static:N@lr=X`` — batch N at learning rate X.
 * ``tuned-static:N`` — batch N with its LR tuned over ``rule LR x {0.5, 1, 2}`` (``tune_factors``): the
   three cells ``static:N@lr=X`` are all trained, and the cell with the best median time to target is
-  picked after the fact. ``tuned-static:A-B`` is every power of two from A to B.
+  picked after the fact. ``tuned-static:A-B`` is A, 2A, 4A, ... up to B.
 * ``finder`` — the batch a batch-size finder picks from the throughput calibration (the smallest size
   within 5% of the best measured throughput, up to the workload's largest batch; see
   :mod:`batchpilot.bench.calibrate`), trained statically at the rule LR.

@@ -84,8 +84,10 @@ def summarize(
             several members (``tuned-static:N``: its LR grid) takes the member with the best median time
             to target (then the best median final accuracy), and records ``chosen``, ``lr`` and ``grid``.
 
-    ``ratio_vs_best_static`` divides by the smallest median time among ``static:*`` and ``tuned-static:*``
-    policies; ``cost_ratio_vs_best_static`` does the same with cost-model times.
+    ``ratio_vs_best_static`` divides by the median time of the best static (the smallest median time among
+    ``static:*`` and ``tuned-static:*`` policies); ``cost_ratio_vs_best_static`` divides cost-model times by
+    the same policy's cost-model time. Both stay ``None`` when that time is 0 (the untrained model already
+    met the target).
     """
     names = list(policies) if policies is not None else list(dict.fromkeys(r["policy"] for r in runs))
     members = members or {}
@@ -108,9 +110,7 @@ def summarize(
     statics = {n: s for n, s in summary.items() if is_static(n) and s["median_time_to_target_s"] is not None}
     # Ties (tuned-static:N and the static:N it chose are the same runs) go to the tuned name.
     best = min(statics, key=lambda n: (_key(statics[n]), not n.startswith("tuned-"))) if statics else None
-    cost_statics = [s["median_cost_model_time_to_target_s"] for n, s in summary.items()
-                    if is_static(n) and s.get("median_cost_model_time_to_target_s") is not None]
-    best_cost = min(cost_statics) if cost_statics else None
+    best_cost = None if best is None else statics[best].get("median_cost_model_time_to_target_s")
     for s in summary.values():
         if best is not None and statics[best]["median_time_to_target_s"] > 0:
             t = s["median_time_to_target_s"]
@@ -157,19 +157,27 @@ def evaluate_targets(summary: Mapping[str, Any], best_static: str | None, grid: 
     untuned default (batch 32 at the base LR); (c) one adaptive run (its median training time) <= 1/5
     of the grid search's time. Each entry: ``status`` (PASS, MISS, N/A), ``value``, ``threshold``, ``text``.
     """
-    adaptive = {n: s for n, s in summary.items() if category(n) == "adaptive"}
+    # A policy without runs yet (a partial results.json) has not missed anything: it is not judged.
+    adaptive = {n: s for n, s in summary.items() if category(n) == "adaptive" and s.get("runs", 1)}
     out: dict[str, Any] = {"best_adaptive": None}
     if not adaptive:
-        na = {"status": "N/A", "value": None, "threshold": None, "text": "no adaptive policy in this run"}
+        why = "no adaptive policy in this run" if not any(category(n) == "adaptive" for n in summary) \
+            else "no adaptive run has finished yet"
+        na = {"status": "N/A", "value": None, "threshold": None, "text": why}
         return {**out, "a": na, "b": dict(na), "c": dict(na)}
     name = min(adaptive, key=lambda n: _key(adaptive[n]))
     s = adaptive[name]
     out["best_adaptive"] = name
     t = s["median_time_to_target_s"]
     limit = 0.9 if default_workload else 1.1
+    bs = summary.get(best_static) if best_static else None
+    if bs is not None and bs["median_time_to_target_s"] == 0:
+        na = {"status": "N/A", "value": None, "threshold": None,
+              "text": f"{best_static} met the target before its first step (the untrained model already reaches "
+              "it): nothing to compare; raise --target-accuracy"}
+        return {**out, "a": na, "b": dict(na), "c": dict(na)}
 
     # (a)
-    bs = summary.get(best_static) if best_static else None
     ratio = s["ratio_vs_best_static"]
     if bs is None or t is None:
         why = "no static policy reached the target" if bs is None else f"{name} missed the target in most runs"
@@ -194,10 +202,14 @@ def evaluate_targets(summary: Mapping[str, Any], best_static: str | None, grid: 
     # (b)
     u = summary.get(untuned) if untuned else None
     ut = None if u is None else u["median_time_to_target_s"]
-    if u is None:
-        b = {"status": "N/A", "value": None, "threshold": 2.0, "text": "static:32 (the untuned default) was not run"}
+    if u is None or not u.get("runs", 1):
+        b = {"status": "N/A", "value": None, "threshold": 2.0,
+             "text": "static:32 (the untuned default) " + ("was not run" if u is None else "has no finished run yet")}
     elif t is None:
         b = {"status": "MISS", "value": None, "threshold": 2.0, "text": f"{name} missed the target in most runs"}
+    elif t == 0:
+        b = {"status": "N/A", "value": None, "threshold": 2.0,
+             "text": f"{name} met the target before its first step: nothing to compare; raise --target-accuracy"}
     elif ut is None:
         b = {"status": "PASS", "value": math.inf, "threshold": 2.0,
              "text": f"{untuned} missed the target in most runs; {name} reached it ({t:.2f} s)"}
@@ -275,9 +287,14 @@ def critical_batch(summary: Mapping[str, Any], runs: Sequence[Mapping[str, Any]]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     intercept = my - slope * mx
-    if slope <= 0 or intercept <= 0:
+    if slope <= 0:
         out["note"] = (f"epochs to target do not rise with the batch within the grid (fit {intercept:.2f} + "
                        f"{slope:.2g} B): the critical batch lies beyond {max(xs)}")
+        return out
+    if intercept <= 0:
+        out["note"] = (f"epochs to target rise faster than the model allows (fit {intercept:.2f} + {slope:.2g} B, "
+                       f"no positive E_min): every size in the grid is past the critical batch, which lies at or "
+                       f"below {min(xs)}")
         return out
     out["epochs_min"], out["b_crit"] = intercept, intercept / slope
     if out["b_simple_at_target"]:

@@ -71,6 +71,8 @@ class _Run:
     def begin(self, batch_size: int) -> None:
         self.batch_sizes.append({"step": 0, "samples_seen": 0, "time_s": 0.0, "batch_size": batch_size})
         self.evaluate(0.0, 0, 0, batch_size)
+        if self.reached is not None:  # the untrained model already meets the target: nothing to train
+            self.done, self.stop_reason, self.stopped_at = True, "target", 0.0
         self.start = time.perf_counter()
 
     def evaluate(self, t: float, step: int, samples: int, batch_size: int, final: bool = False) -> float:
@@ -114,8 +116,10 @@ class _Run:
             self.diverged = self.done = True
             self.stop_reason = "diverged"
         if samples >= self.next_eval or self.diverged:
+            # A divergence between grid points is evaluated for the record, but cannot reach the target.
+            off_grid = samples < self.next_eval
             self.next_eval = (samples // self.eval_samples + 1) * self.eval_samples
-            self.evaluate(t, step, samples, current)
+            self.evaluate(t, step, samples, current, final=off_grid)
             if self.reached is not None:
                 self.done, self.stop_reason = True, "target"
         if t >= self.budget_s:

@@ -152,7 +152,8 @@ class NoiseScale:
         grow = target > size
         limited = min(target, 4.0 * self.max_size)
         if self.max_change is not None:  # as limit_step: at most x max_change, at least one sample
-            lo, hi = min(size - 1, size / self.max_change), max(size + 1, size * self.max_change)
+            lo = min(size - 1, math.ceil(size / self.max_change))
+            hi = max(size + 1, math.floor(size * self.max_change))
             limited = min(max(limited, lo), hi)
             new = self._round_and_clamp(max(limited, 1.0))
             if (new > hi if grow else new < lo) and self.round_to is not None:

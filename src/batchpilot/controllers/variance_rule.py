@@ -37,7 +37,9 @@ class VarianceRule:
     honestly beside them.
 
     Reads ``stats/grad_variance``: the per-sample gradient variance of seed 002,
-    ``sigma_t^2 = mean_i |g_i - g_mean|^2`` (a sum over parameters of squared deviations).
+    ``sigma_t^2 = mean_i |g_i - g_mean|^2`` (a sum over parameters of squared deviations). Inside ``Pilot``
+    that is the smoothed two-batch ``tr(Sigma)`` (``stats/trace_cov``, an EMA over measured steps), so the
+    rule sees a lagging average rather than one step's value.
 
     * ``sigma_base^2`` is the first measured ``sigma_t^2`` (the first call that sees the stat), unless
       ``sigma_base`` is given; ``B0`` is the batch size at that moment unless ``base_size`` is given.

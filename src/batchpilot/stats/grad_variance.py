@@ -157,7 +157,8 @@ def micro_batch_grad_variance(
 
     Unbiased for the batch's ``sigma_t^2`` when the batch is split into micro-batches of these sizes at
     random (sampling without replacement; averaged over all splits it equals the exact value), and, as
-    an estimate of ``tr(Sigma)``, it agrees with the noise scale's two-batch estimate. With ``n_j = 1`` it
+    an estimate of ``tr(Sigma)``, it agrees with the noise scale's two-batch estimate (exactly up to
+    ``(N-1)/N`` for micro-batches of equal size, in expectation otherwise). With ``n_j = 1`` it
     *is* the exact value. It uses only ``k`` gradients, so it is much noisier than the exact
     :func:`per_sample_grad_variance` when ``k`` is small: smooth it over steps.
 
