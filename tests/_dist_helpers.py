@@ -304,3 +304,19 @@ def refuse_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> N
         result = {"error": str(err), "step": second.step}
     Path(out_dir, f"refuse{rank}.json").write_text(json.dumps(result))
     finish()
+
+
+def plain_env_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """init_torchrun under a launcher that sets only RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (no
+    torchrun agent serving the store): rank 0 must serve it."""
+    from batchpilot.distributed import init_torchrun
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    from datetime import timedelta
+
+    got = init_torchrun("gloo", timeout=timedelta(seconds=60))
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"init": list(got), "sum": total.item()}))
+    dist.destroy_process_group()

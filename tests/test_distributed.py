@@ -194,3 +194,14 @@ def test_the_oom_recovery_benchmark_runs_on_a_tiny_budget(tmp_path):
     assert [len(v) for v in result["seconds_per_step"].values()] == [2, 2]
     assert all(s > 0 for v in result["seconds_per_step"].values() for s in v)
     assert result["median_round_ratio"] > 0
+
+
+def test_init_torchrun_under_a_launcher_without_torchruns_store(tmp_path):
+    import socket
+
+    with socket.socket() as sock:  # a free port for rank 0's store
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(h.plain_env_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["init"] for r in ranks] == [[0, 2], [1, 2]] and all(r["sum"] == 3.0 for r in ranks)

@@ -539,8 +539,47 @@ def test_corrupt_and_foreign_checkpoints_give_clear_errors_and_older_ones_stay_u
         pilot.load_checkpoint(foreign)
     with pytest.raises(batchpilot.CheckpointError, match="does not exist"):
         pilot.load_checkpoint(tmp_path / "nope.pt")
-    assert pilot.load_checkpoint(tmp_path) == files[0]  # the folder falls back to the previous checkpoint
-    assert pilot.step == 2 and batchpilot.latest_checkpoint(tmp_path) == files[0]
+    with pytest.warns(UserWarning, match="(?s)skipped 1 newer checkpoint.*step-000000004.pt.*truncated"):
+        assert pilot.load_checkpoint(tmp_path) == files[0]  # the folder falls back to the previous checkpoint
+    with pytest.warns(UserWarning, match="skipped 1 newer"):
+        assert pilot.step == 2 and batchpilot.latest_checkpoint(tmp_path) == files[0]
+    # When every checkpoint is damaged the folder is no first start, even with missing_ok: each file is named.
+    files[0].write_bytes(b"")
+    for call in (lambda: pilot.load_checkpoint(tmp_path, missing_ok=True), lambda: batchpilot.latest_checkpoint(tmp_path)):
+        with pytest.raises(batchpilot.CheckpointError, match=r"none of the 2 checkpoint\(s\).*cannot resume") as info:
+            call()
+        assert "step-000000002.pt" in str(info.value) and "step-000000004.pt" in str(info.value)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert pilot.load_checkpoint(empty, missing_ok=True) is None
+    with pytest.raises(batchpilot.CheckpointError, match="no checkpoint in .*missing_ok=True"):
+        pilot.load_checkpoint(empty)
+
+
+def test_pruning_keeps_the_checkpoint_just_written_and_leaves_later_steps_alone(tmp_path):
+    from batchpilot.checkpoint import list_checkpoints
+
+    def train(pilot, model, steps):
+        for x, y in pilot.batches(max_steps=steps):
+            pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+
+    ds, model = make_problem()
+    pilot = batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), ds, batch_size=8, progress=False,
+                             checkpoint_dir=tmp_path, checkpoint_every=2, keep_checkpoints=1)
+    train(pilot, model, 6)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000000006.pt"]
+    (tmp_path / "step-000000040.pt").write_bytes(b"damaged")  # a later step, of another (dead) run
+    ds, model = make_problem()
+    again = batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), ds, batch_size=8, progress=False,
+                             checkpoint_dir=tmp_path, checkpoint_every=2, keep_checkpoints=1)
+    with pytest.warns(UserWarning, match="skipped 1 newer"):
+        again.load_checkpoint(tmp_path)
+    with pytest.warns(UserWarning, match="later steps than this run has reached: step-000000040.pt"):
+        train(again, model, 10)
+    # keep_checkpoints=1 kept the file just written (it used to delete it, keeping the damaged step 40).
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000000010.pt", "step-000000040.pt"]
+    with pytest.warns(UserWarning, match="skipped 1 newer"):
+        assert batchpilot.latest_checkpoint(tmp_path).name == "step-000000010.pt"
 
 
 
@@ -589,6 +628,33 @@ def test_a_checkpoint_of_another_run_is_refused_whole_and_changes_nothing(tmp_pa
     with pytest.raises(batchpilot.CheckpointError, match=r"missing inp.weight, inp.bias, out.weight and 1 more; "
                                                         r"unexpected 0.weight, 0.bias, 2.weight and 1 more"):
         third.load_checkpoint(path)
+    # Another controller (or AdaScale with another B0): refused before the model or the position change.
+    _, net4 = make_problem()
+    before = [p.detach().clone() for p in net4.parameters()]
+    saved = batchpilot.Pilot(net4, torch.optim.SGD(net4.parameters(), lr=0.1), make_problem()[0], batch_size=8,
+                             progress=False, controller=batchpilot.controllers.ThresholdRules(min_size=4, max_size=64))
+    ctrl_path = saved.save_checkpoint(tmp_path / "threshold.pt")
+    ds5, net5 = make_problem()
+    weights = [p.detach().clone() for p in net5.parameters()]
+    other = batchpilot.Pilot(net5, torch.optim.SGD(net5.parameters(), lr=0.1), ds5, batch_size=4, progress=False,
+                             controller=batchpilot.controllers.NoiseScale(min_size=4, max_size=64))
+    with pytest.raises(batchpilot.CheckpointError, match="its controller state does not load into this Pilot's "
+                                                         "NoiseScale .*saved by controller 'ThresholdRules'"):
+        other.load_checkpoint(ctrl_path)
+    assert other.step == 0 and other.batch_size == 4
+    assert all(torch.equal(a, b) for a, b in zip(weights, net5.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, net4.parameters()))
+    adascale = dict(lr_rule="adascale", base_batch_size=8)
+    ds6, net6 = make_problem()
+    saved = batchpilot.Pilot(net6, torch.optim.SGD(net6.parameters(), lr=0.1), ds6, batch_size=8, progress=False,
+                             **adascale)
+    ada_path = saved.save_checkpoint(tmp_path / "adascale.pt")
+    ds7, net7 = make_problem()
+    other = batchpilot.Pilot(net7, torch.optim.SGD(net7.parameters(), lr=0.1), ds7, batch_size=8, progress=False,
+                             lr_rule="adascale", base_batch_size=16)
+    with pytest.raises(batchpilot.CheckpointError, match="its adascale state does not load.*base_batch_size=8"):
+        other.load_checkpoint(ada_path)
+    assert other.step == 0
     fresh_run, _ = fresh()  # the same run's shape loads
     assert fresh_run.load_checkpoint(path) == path and fresh_run.step == 3
     # Checkpoints from before the optimizer class was recorded still load.
@@ -782,6 +848,31 @@ def test_resuming_into_a_fresh_log_works_and_a_replaced_log_is_refused_before_lo
         other.load_checkpoint(tmp_path / "ckpt" / "step-000000004.pt")
     assert other.step == 0 and all(torch.equal(a, p) for a, p in zip(before, other._module.parameters()))
     other.close()
+
+
+def test_a_restart_before_the_first_checkpoint_appends_after_a_cut_record(tmp_path):
+    # A run killed before its first checkpoint left a half-written last record; the restart (nothing to
+    # resume) appends to the same log. Its first record must not be glued onto the half one.
+    log = tmp_path / "log.jsonl"
+    ds, model = make_problem()
+    pilot = batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), ds, batch_size=8, log_path=log)
+    for x, y in pilot.batches(max_steps=3):
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    pilot.close()
+    whole = log.read_bytes()
+    log.write_bytes(whole + whole.splitlines(keepends=True)[-1][:25])  # a record cut off by the kill
+    ds, model = make_problem()
+    again = batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), ds, batch_size=8, log_path=log)
+    assert log.read_bytes() == whole  # the half record is gone, the whole ones are kept
+    for x, y in again.batches(max_steps=2):
+        again.backward(torch.nn.functional.cross_entropy(model(x), y))
+    again.close()
+    steps = [r["step"] for r in batchpilot.read_log(log) if r["type"] == "step"]
+    assert steps == [1, 2, 3, 1, 2]  # two runs, one after the other (an existing log is appended to)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a log, no final newline")
+    batchpilot.logs.AdjustmentLog(notes).close()
+    assert notes.read_text() == "not a log, no final newline"  # a file that is no adjustment log is not cut
 
 
 def test_a_resumed_pilot_keeps_its_own_drop_last_and_the_smaller_micro_batch_bound(tmp_path, caplog):

@@ -186,10 +186,10 @@ def test_gradients_equal_a_full_batch_mean_sgd_loop(tmp_path):
     assert list(trainer.batchpilot.driver.losses) == pytest.approx(losses, rel=1e-12)  # what a controller sees
 
 
-def train_with_num_items(tmp_path, data) -> tuple[Recorder, AdaptiveBatchSizeTrainer, list]:
+def train_with_num_items(tmp_path, data, model=None) -> tuple[Recorder, AdaptiveBatchSizeTrainer, list]:
     """One epoch of SIZES over 3 accumulation steps (sizes 1 and 2 give ghosts) with compute_loss_func
     normalised by num_items_in_batch; returns the model, the trainer and the steps."""
-    model = Recorder()
+    model = model or Recorder()
 
     def summed_loss(outputs, labels, num_items_in_batch):
         return torch.nn.functional.cross_entropy(outputs["logits"], labels, reduction="sum") / num_items_in_batch
@@ -212,6 +212,27 @@ def test_a_loss_normalised_by_num_items_keeps_trainers_item_counting(tmp_path):
     model, trainer, steps = train_with_num_items(tmp_path, data)
     reference, losses = sgd_reference(data, [s.indices for s in steps])
     assert trainer.batchpilot.last_loss == pytest.approx(losses[-1], rel=1e-12)
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+
+
+class ShiftLabels(PointSet):
+    """PointSet whose items also carry ``shift_labels`` (as a padding-free collator gives them): Trainer then
+    counts those for num_items_in_batch instead of ``labels``."""
+
+    def __getitem__(self, i: int) -> dict:
+        return {**super().__getitem__(i), "shift_labels": self.y[i]}
+
+
+class ShiftRecorder(Recorder):
+    def forward(self, x, labels=None, sample_id=None, shift_labels=None):
+        return super().forward(x, labels, sample_id)
+
+
+def test_ghosts_shift_labels_are_left_out_of_the_item_count(tmp_path):
+    data = ShiftLabels(61)
+    model, _, steps = train_with_num_items(tmp_path, data, ShiftRecorder())
+    reference, _ = sgd_reference(data, [s.indices for s in steps])
     for got, want in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
 
@@ -691,6 +712,43 @@ def test_resume_from_checkpoint_is_exact(tmp_path, save, workers_after):
         (s.global_size, s.indices.tolist()) for s in full[done:]
     ]
     assert all(torch.equal(a, b) for a, b in zip(full_weights, resumed_weights))
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_resume_with_drop_last_or_from_the_final_checkpoint_trains_nothing_extra(tmp_path, drop_last):
+    """Trainer counts the epochs left by steps (global_step // len(dataset)), so on resume its epoch loop
+    runs more often than the data needs: with drop_last the epoch whose tail is still to be dropped, and after
+    the final checkpoint every epoch, must end training, not start another step."""
+
+    def run(resume, out):
+        model = Recorder()
+        trainer = AdaptiveBatchSizeTrainer(
+            model=model, train_dataset=PointSet(100),
+            args=quiet_args(out, per_device_train_batch_size=32, num_train_epochs=2, dataloader_drop_last=drop_last,
+                            save_strategy="steps", save_steps=2, **exact_sgd()),
+        )
+        steps = record_steps(trainer)
+        trainer.train(resume_from_checkpoint=resume)
+        return steps, [p.detach().clone() for p in model.parameters()]
+
+    full, weights = run(None, tmp_path / "full")
+    assert [s.global_size for s in full] == ([32, 32, 32] * 2 if drop_last else [32, 32, 32, 4] * 2)
+    checkpoints = sorted(tmp_path.glob("full/checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    for checkpoint in (checkpoints[1], checkpoints[-1]):  # mid-run (step 4), and the final one
+        done = int(checkpoint.name.split("-")[1])
+        resumed, resumed_weights = run(str(checkpoint), tmp_path / f"from-{done}")
+        assert [(s.global_size, s.indices.tolist()) for s in resumed] == [
+            (s.global_size, s.indices.tolist()) for s in full[done:]]
+        assert all(torch.equal(a, b) for a, b in zip(weights, resumed_weights))
+
+
+def test_an_own_train_sampler_is_refused(tmp_path):
+    class Weighted(AdaptiveBatchSizeTrainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return torch.utils.data.WeightedRandomSampler([1.0] * 20, 20)
+
+    with pytest.raises(ValueError, match="Weighted overrides _get_train_sampler"):
+        Weighted(model=Recorder(), train_dataset=PointSet(20), args=quiet_args(tmp_path))
 
 
 def test_resume_from_a_foreign_checkpoint_fails_clearly(tmp_path):

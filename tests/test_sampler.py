@@ -629,6 +629,59 @@ def test_set_epoch_after_a_loop_left_early_starts_that_epoch(num_workers, micro)
     loader.close()
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_set_epoch_after_a_loop_left_early_holds_for_the_position_a_checkpoint_and_a_size_change(num_workers):
+    """With workers, steps after the break are already planned: a set_epoch made then must show in
+    position(), next_step_size() and state_dict(), and survive a size change and close()."""
+    from torch.utils.data import TensorDataset
+
+    from batchpilot import AdaptiveDataLoader
+
+    loader = AdaptiveDataLoader(TensorDataset(torch.arange(100)), 10, num_workers=num_workers, seed=3)
+    try:
+        for i, _ in enumerate(loader):
+            if i == 2:
+                break
+        loader.sampler.set_epoch(1)
+        assert loader.position() == (1, 0, 30) and loader.epochs_done() == 1
+        state = loader.state_dict()
+        assert (state["epoch"], state["offset"], state["samples_seen"]) == (1, 0, 30)
+        loader.set_batch_size(20)
+        assert loader.next_step_size() == 20
+        loader.close()
+        first = next(iter(loader))
+        assert (first.epoch, first.offset, first.global_size) == (1, 0, 20)
+    finally:
+        loader.close()
+
+
+def test_in_order_false_is_refused():
+    from torch.utils.data import TensorDataset
+
+    from batchpilot import AdaptiveDataLoader
+
+    with pytest.raises(ValueError, match="in_order"):
+        AdaptiveDataLoader(TensorDataset(torch.arange(10)), 2, num_workers=2, dataloader_kwargs={"in_order": False})
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_dropped_samples_count_every_tail_in_the_set_epoch_loop(num_workers):
+    from torch.utils.data import TensorDataset
+
+    from batchpilot import AdaptiveDataLoader
+
+    loader = AdaptiveDataLoader(TensorDataset(torch.arange(10)), 4, num_workers=num_workers, drop_last=True)
+    try:
+        for epoch in range(4):
+            loader.sampler.set_epoch(epoch)
+            assert [(m.epoch, m.global_size) for m in loader] == [(epoch, 4), (epoch, 4)]
+            # Without workers the loop drops the tail as it ends; with them, the next loop does.
+            pending = 2 if loader.sampler.at_tail_to_drop() else 0
+            assert loader.sampler.dropped_samples + pending == 2 * (epoch + 1)
+    finally:
+        loader.close()
+
+
 def test_an_iterable_dataset_is_refused_even_with_a_length():
     from batchpilot import AdaptiveDataLoader
 

@@ -13,6 +13,7 @@ import io
 import os
 import re
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,10 +48,23 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _sync_folder(path.parent)  # the rename itself survives a power loss too
     finally:
         if tmp.exists():
             tmp.unlink()
     return path
+
+
+def _sync_folder(folder: Path) -> None:
+    """fsync a folder, so renames and deletions in it are on disk (POSIX; a no-op elsewhere)."""
+    if os.name != "posix":
+        return
+    with contextlib.suppress(OSError):  # some file systems refuse to fsync a folder
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _load_failure(exc: Exception) -> str:
@@ -111,29 +125,59 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The newest checkpoint in ``directory`` that loads cleanly, or ``None`` when there is none.
+    """The newest checkpoint in ``directory`` that loads cleanly, or ``None`` when the folder holds none.
 
-    A newer file that fails to load (truncated by a crash outside our atomic write, say) is skipped, so
-    the previous checkpoint is used instead.
+    A newer file that fails to load (truncated by a crash outside our atomic write, say) is skipped with a
+    warning naming it, so the previous checkpoint is used instead.
+
+    Raises:
+        CheckpointError: the folder holds checkpoint files but none of them loads (each one and why is named).
     """
     found = load_latest_checkpoint(directory)
     return None if found is None else found[0]
 
 
 def load_latest_checkpoint(directory: str | os.PathLike) -> tuple[Path, dict[str, Any]] | None:
-    """:func:`latest_checkpoint` and its loaded state (read once), or ``None`` when there is none."""
+    """:func:`latest_checkpoint` and its loaded state (read once), or ``None`` when the folder holds none."""
+    failures: list[str] = []
     for path in reversed(list_checkpoints(directory)):
         try:
-            return path, load_checkpoint(path)
-        except CheckpointError:
+            state = load_checkpoint(path)
+        except CheckpointError as exc:
+            failures.append(str(exc))
             continue
+        if failures:
+            warnings.warn(f"skipped {len(failures)} newer checkpoint(s) that do not load, resuming from "
+                          f"{str(path)!r}:\n  - " + "\n  - ".join(failures), stacklevel=3)
+        return path, state
+    if failures:  # files are there, but none loads: never treat that as a first start
+        raise CheckpointError(
+            f"none of the {len(failures)} checkpoint(s) in {str(directory)!r} loads, so the run cannot resume:\n  - "
+            + "\n  - ".join(failures) + "\nRestore a good file, or move these away to start from step 0 on purpose."
+        )
     return None
 
 
-def prune_checkpoints(directory: str | os.PathLike, keep: int) -> None:
+def prune_checkpoints(directory: str | os.PathLike, keep: int, written: str | os.PathLike | None = None) -> None:
     """Delete all but the ``keep`` newest checkpoints in ``directory``, and the half-written files of
-    writers that were killed (their process is gone)."""
-    for path in list_checkpoints(directory)[:-keep] if keep > 0 else []:
+    writers that were killed (their process is gone).
+
+    With ``written`` (the file just saved, a ``step-N.pt``), that file is always kept, and only checkpoints
+    of earlier steps are deleted: files of later steps belong to a run this one does not continue (it
+    loaded an older checkpoint, or started afresh), so they are left alone, with a warning that resuming
+    from the folder would pick them.
+    """
+    files = list_checkpoints(directory) if keep > 0 else []
+    if files and written is not None and _NAME.match(Path(written).name):
+        step = _step_of(Path(written))
+        later = [p for p in files if _step_of(p) > step]
+        if later:
+            warnings.warn(f"{str(directory)!r} holds checkpoints of later steps than this run has reached: "
+                          f"{', '.join(p.name for p in later)}. Resuming from the folder would pick them; remove "
+                          "them if their run is abandoned.", stacklevel=3)
+        files = [p for p in files if _step_of(p) < step]
+        keep -= 1  # the written file is one of the kept
+    for path in files[: max(len(files) - keep, 0)]:
         path.unlink(missing_ok=True)
     for path in Path(directory).iterdir():
         match = _TMP.match(path.name)
@@ -141,9 +185,17 @@ def prune_checkpoints(directory: str | os.PathLike, keep: int) -> None:
             with contextlib.suppress(OSError):  # removed meanwhile
                 if time.time() - path.stat().st_mtime > ORPHAN_AGE_S:  # not one being written (on another host)
                     path.unlink()
+    _sync_folder(Path(directory))
+
+
+def _step_of(path: Path) -> int:
+    match = _NAME.match(path.name)
+    return int(match.group(1)) if match else -1
 
 
 def _alive(pid: int) -> bool:
+    if os.name == "nt":  # os.kill(pid, 0) would terminate the process there: go by the file's age alone
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

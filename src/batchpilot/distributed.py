@@ -32,7 +32,10 @@ def init_torchrun(backend: str = "gloo", timeout: timedelta | None = None) -> tu
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, **kwargs)
+    # torchrun's agent serves the store (TORCHELASTIC_USE_AGENT_STORE=True); under any other launcher that
+    # only sets the four variables, rank 0 serves it, as torch's env:// initialisation does.
+    serve = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=serve, **kwargs)
     dist.init_process_group(
         backend, store=dist.PrefixStore(f"batchpilot/attempt-{attempt}", store), rank=rank, world_size=world_size, **kwargs
     )

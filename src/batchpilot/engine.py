@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import logging
 import math
 import os
@@ -910,6 +911,7 @@ class Pilot:
                 f"the checkpoint has {len(state['lr_schedulers'])} LR schedulers but this Pilot has "
                 f"{len(self.lr_schedulers)}; build the Pilot with the same lr_schedulers."
             )
+        problems += self._trial_load_problems(state)
         if self.world_size > 1 and bpdist.all_reduce_min_int(0 if problems else 1) == 0 and not problems:
             problems.append("another rank refused it (rank 0 checks the adjustment log; see its error)")
         if problems:
@@ -937,6 +939,25 @@ class Pilot:
             self._tb.resume_after(self.samples_seen)
         if in_loop:  # the loop goes on with the loaded position: its next step's LR factor
             self._rescale_lr()
+
+    def _trial_load_problems(self, state: dict[str, Any]) -> list[str]:
+        """Load the controller's and the LR rules' states into copies first: one saved by another controller
+        (or AdaScale with another B0) is refused before the model or the position change."""
+        problems = []
+        for key in ("controller", "coupling", "adascale"):
+            obj = self._components()[key]
+            if obj is None or state.get(key) is None:
+                continue
+            try:  # the copy shares the optimizer and model: their states are not what is tried here
+                trial = copy.deepcopy(obj, {id(self.optimizer): self.optimizer, id(self._module): self._module})
+            except Exception:  # an object that cannot be copied is loaded for real only
+                continue
+            try:
+                trial.load_state_dict(state[key])
+            except Exception as exc:
+                problems.append(f"its {key} state does not load into this Pilot's {type(obj).__name__} "
+                                f"({type(exc).__name__}: {exc})")
+        return problems
 
     def _keep_own_settings(self, drop_last: bool, micro: int | None) -> None:
         """After loading: ``drop_last`` is this Pilot's, and the micro-batch bound the smaller of this Pilot's
@@ -977,7 +998,7 @@ class Pilot:
         if self._lead:
             written = save_checkpoint(path, state)
             if self.checkpoint_dir is not None and Path(path).parent == self.checkpoint_dir:
-                prune_checkpoints(self.checkpoint_dir, self.keep_checkpoints)
+                prune_checkpoints(self.checkpoint_dir, self.keep_checkpoints, written)
         bpdist.barrier()
         return written
 
@@ -987,15 +1008,17 @@ class Pilot:
         Returns the file loaded, or ``None`` when ``missing_ok`` and the folder holds no checkpoint.
 
         Raises:
-            CheckpointError: the file is missing (unless ``missing_ok``), truncated, corrupt or foreign.
+            CheckpointError: the file is missing (unless ``missing_ok``), truncated, corrupt or foreign; or the
+                folder holds checkpoints but none loads (even with ``missing_ok``: that is no first start).
         """
         path = Path(path)
         if path.is_dir() or (missing_ok and not path.exists()):
-            found = load_latest_checkpoint(path)  # the newest file that loads, read once
+            found = load_latest_checkpoint(path)  # the newest file that loads, read once; raises if none does
             if found is None:
                 if missing_ok:
                     return None
-                raise CheckpointError(f"no loadable checkpoint in {str(path)!r}.")
+                raise CheckpointError(f"no checkpoint in {str(path)!r} (no step-*.pt files); pass missing_ok=True "
+                                      "to start from step 0 when there is none.")
             path, state = found
         else:
             state = load_checkpoint(path)

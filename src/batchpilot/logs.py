@@ -28,13 +28,15 @@ class AdjustmentLog:
     """Append-only JSONL log of steps and decisions, buffered and resumable.
 
     Args:
-        path: The ``.jsonl`` file. Created with its folder; an existing file is appended to.
+        path: The ``.jsonl`` file. Created with its folder; an existing file is appended to (after cutting a
+            last record that a killed run left half written).
         flush_every: Lines kept in memory before writing (everything is flushed on checkpoint and close).
     """
 
     def __init__(self, path: str | os.PathLike, flush_every: int = 100) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_cut_last_line(self.path)
         self._file = open(self.path, "a", encoding="utf-8")
         self._buffer: list[str] = []
         self.flush_every = flush_every
@@ -54,8 +56,10 @@ class AdjustmentLog:
         self._file.flush()
 
     def position(self) -> int:
-        """Byte offset after the last record (flushes first): stored in checkpoints."""
+        """Byte offset after the last record (flushes and syncs first): stored in checkpoints, so the records
+        it counts are on disk before the checkpoint is."""
         self.flush()
+        os.fsync(self._file.fileno())
         return self._file.tell()
 
     def resume_problem(self, position: int) -> str | None:
@@ -84,6 +88,33 @@ class AdjustmentLog:
         if not self._file.closed:
             self.flush()
             self._file.close()
+
+
+_RECORD_START = b'{"type": '  # how every line of an adjustment log begins
+
+
+def _drop_cut_last_line(path: Path) -> None:
+    """Cut a last record that a killed run left half written (no final newline), so the records appended
+    next start on a line of their own; the half record could not be read anyway."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) == b"\n":
+            return
+        f.seek(0)
+        if not f.read(len(_RECORD_START)) == _RECORD_START:  # not an adjustment log: leave it as it is
+            return
+        pos, cut = f.seek(0, os.SEEK_END), 0
+        while pos > 0:  # the last newline, reading backwards in blocks
+            start = max(0, pos - 65536)
+            f.seek(start)
+            found = f.read(pos - start).rfind(b"\n")
+            if found >= 0:
+                cut = start + found + 1
+                break
+            pos = start
+        f.truncate(cut)
 
 
 def read_log(path: str | os.PathLike) -> list[dict[str, Any]]:

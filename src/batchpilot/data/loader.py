@@ -216,7 +216,8 @@ class AdaptiveDataLoader:
             the wrapper must yield one batch per index list, in order. With a wrapper the DataLoader is
             built even without workers, and a size change rewinds by re-iterating the wrapper.
         dataloader_kwargs: Further keyword arguments for that DataLoader (``multiprocessing_context``,
-            ``worker_init_fn``, ``timeout``, ...); not those the loader sets itself.
+            ``worker_init_fn``, ``timeout``, ...); not those the loader sets itself, and not ``in_order=False``
+            (micro-batches must arrive in the order they were planned).
     """
 
     def __init__(
@@ -276,6 +277,9 @@ class AdaptiveDataLoader:
         self.num_workers = check_positive_int(num_workers, "num_workers", minimum=0)
         extra = dict(dataloader_kwargs or {})
         clash = sorted(set(extra) & _OWN_LOADER_KWARGS)
+        if extra.get("in_order", True) is not True:  # data would meet another micro-batch's planned indices
+            raise ValueError(f"dataloader_kwargs sets in_order={extra['in_order']!r}: micro-batches must arrive in "
+                             "the order they were planned; leave in_order at True.")
         if clash:
             raise ValueError(
                 f"dataloader_kwargs sets {', '.join(clash)}, which AdaptiveDataLoader sets itself; pass them as "
@@ -299,7 +303,7 @@ class AdaptiveDataLoader:
         self._wrapped: Iterable[Any] | None = None
         self._seed_fetches = False  # workers fetch each micro-batch with seeded generators (_SeededDataset)
         self._plan_moves = self.sampler.moves  # the sampler's set_epoch count when the plans were made
-        self.sampler.next_epoch_of = lambda: self.position()[0]
+        self.sampler.next_epoch_of = self.epochs_done  # a tail left to drop counts as done: set_epoch drops it
         if self.num_workers > 0 or pin_memory or wrap_loader is not None:
             fast = type(dataset) is TensorDataset and self.collate_fn is default_collate
             self._seed_fetches = not fast and self.num_workers > 0
@@ -330,6 +334,7 @@ class AdaptiveDataLoader:
         if batch_size == self.sampler.batch_size:
             return
         self._check_between_steps("set_batch_size")
+        self._drop_stale_plans()
         self.sampler.set_batch_size(batch_size)  # before the rewind: a restarted worker iterator plans at once
         if self._planned:
             self._rewind()
@@ -337,6 +342,7 @@ class AdaptiveDataLoader:
     def epochs_done(self) -> int:
         """Full passes completed before the next step: ``position()``'s epoch, plus one when all that is
         left of the epoch is a tail that ``drop_last`` will drop (call between steps)."""
+        self._drop_stale_plans()
         if self._planned:
             return self._planned[0].position[0]
         return self.sampler.epoch + self.sampler.at_tail_to_drop()
@@ -345,6 +351,7 @@ class AdaptiveDataLoader:
         """Samples in the next global batch: the batch size, or the rest of the epoch when fewer are left
         (with ``drop_last``, such a rest is dropped and the next epoch's first batch counts). Call between
         steps."""
+        self._drop_stale_plans()
         if self._planned:
             return self._planned[0].global_size
         s = self.sampler
@@ -357,6 +364,7 @@ class AdaptiveDataLoader:
         """Change the micro-batch bound from the next step on (e.g. after running out of memory)."""
         size = None if size is None else check_batch_size(size, "max_micro_batch_size")
         self._check_between_steps("set_max_micro_batch_size")
+        self._drop_stale_plans()
         self.max_micro_batch_size = size
         if self._planned:
             self._rewind()
@@ -380,14 +388,24 @@ class AdaptiveDataLoader:
 
     def _rewind(self, position: tuple[int, int, int, int, int] | None = None) -> None:
         """Return to the start of the first unconsumed step (or of the step at ``position``), discarding
-        what was planned after it."""
+        what was planned after it. A ``set_epoch`` made since the plans keeps its epoch and offset: the
+        counters go back to the first unconsumed step, the position stays the user's."""
         s = self.sampler
+        moved = (s.epoch, s.offset) if position is None and s.moves != self._plan_moves else None
         s.epoch, s.offset, s.samples_seen, s.dropped_samples, self._next_step = position or self._planned[0].position
+        if moved is not None:
+            s.epoch, s.offset = moved
         self._planned.clear()
         self._pending.clear()
         self._exhausted = False
         self.rewinds += 1
         self._stale = True  # persistent workers drain their queue and resume from the rewound position
+
+    def _drop_stale_plans(self) -> None:
+        """Forget steps planned (prefetched) before a ``set_epoch`` moved the sampler: they are not what
+        comes next."""
+        if self._planned and self.sampler.moves != self._plan_moves:
+            self._rewind()
 
     def _fresh_iterator(self) -> Iterator[Any]:
         """A new iterator over the worker loader (persistent workers resume from the sampler's position)."""
@@ -476,11 +494,7 @@ class AdaptiveDataLoader:
         (``drop_last``) drops it and yields the next epoch.
         """
         if self._planned:
-            s = self.sampler
-            moved = (s.epoch, s.offset) if s.moves != self._plan_moves else None  # set_epoch since planning
-            self._rewind()
-            if moved is not None:  # the counters go back to the first unconsumed step; the position is the user's
-                s.epoch, s.offset = moved
+            self._rewind()  # keeps a set_epoch made since planning
         self.sampler.drop_tail()
         if self._torch_loader is None:
             return self._iter_in_process()
@@ -549,6 +563,7 @@ class AdaptiveDataLoader:
     # ------------------------------------------------------------------ state
     def position(self) -> tuple[int, int, int]:
         """``(epoch, offset, samples_seen)`` at the first unconsumed step (prefetched steps excluded)."""
+        self._drop_stale_plans()
         if self._planned:
             epoch, offset, seen, _, _ = self._planned[0].position
             return epoch, offset, seen
@@ -557,6 +572,7 @@ class AdaptiveDataLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler position at the first unconsumed step (JSON-serialisable); call between steps."""
+        self._drop_stale_plans()
         state = self.sampler.state_dict()
         state["step"] = self._next_step
         if self._planned:  # planned but unconsumed steps are not part of the position

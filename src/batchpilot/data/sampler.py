@@ -49,7 +49,8 @@ class AdaptiveBatchSampler:
       ``dropped_samples``);
     * all ranks agree on every global size, and shares differ by at most one index; a rank whose share
       of a small final batch is empty still yields (an empty list), so every rank yields the same number
-      of batches and no DDP collective hangs;
+      of batches and no DDP collective hangs (torch's ``default_collate`` fails on an empty list:
+      :class:`~batchpilot.AdaptiveDataLoader` makes it a ghost micro-batch);
     * the order is a deterministic function of ``(seed, epoch)``, independent of the sizes chosen;
     * ``state_dict()`` is JSON-serialisable, and ``load_state_dict()`` on a fresh sampler, with any world
       size, continues with exactly the remaining indices.
@@ -208,7 +209,9 @@ class AdaptiveBatchSampler:
             # The last batch of an epoch rolls the position over: stop here, not one batch later.
 
     def __len__(self) -> int:
-        """Batches left in the current epoch if the batch size stays as it is now."""
+        """Batches left in the current epoch if the batch size stays as it is now: what an iteration in
+        progress still yields. Where only a tail to drop is left that is 0, although a new ``iter()`` drops
+        the tail and yields the next epoch."""
         remaining = self.num_samples - self.offset
         full, rest = divmod(remaining, self._batch_size)
         return full + (1 if rest and not self.drop_last else 0)

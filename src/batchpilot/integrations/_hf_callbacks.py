@@ -60,7 +60,8 @@ class BatchpilotCallback(TrainerCallback):
             control.should_training_stop = True
             if args.save_strategy == "steps":
                 control.should_save = True
-            if args.eval_strategy == "steps" and state.global_step % state.eval_steps != 0:
+            if args.eval_strategy == "steps" and state.global_step % state.eval_steps != 0 and \
+                    args.eval_delay <= state.global_step:
                 control.should_evaluate = True
 
     def on_train_end(self, args, state, control, **kwargs):

@@ -126,14 +126,19 @@ def is_hf_dataset(dataset: Any) -> bool:
 
 
 def mask_labels(data: Any, floats: bool = False) -> Any:
-    """A ghost micro-batch with ``labels`` set to -100, which losses ignore and Trainer's item count skips.
+    """A ghost micro-batch with ``labels`` (and ``shift_labels``, which Trainer counts instead when a
+    collator gives them) set to -100, which losses ignore and Trainer's item count skips.
 
     Float labels (regression, soft labels) are masked only with ``floats=True``, for the count: in a forward
     -100 would be a value, not a mark."""
-    labels = data.get("labels") if isinstance(data, dict) else None
-    if isinstance(labels, torch.Tensor) and (floats or not labels.is_floating_point()):
-        return {**data, "labels": torch.full_like(labels, -100)}
-    return data
+    if not isinstance(data, dict):
+        return data
+    masked = {}
+    for key in ("labels", "shift_labels"):
+        labels = data.get(key)
+        if isinstance(labels, torch.Tensor) and (floats or not labels.is_floating_point()):
+            masked[key] = torch.full_like(labels, -100)
+    return {**data, **masked} if masked else data
 
 
 def split_rows(inputs: Any, max_rows: int | None) -> list[tuple[Any, int]]:
@@ -199,6 +204,13 @@ def check_arguments(trainer: Any) -> None:
         problems.append("accelerator_config.split_batches=True needs a fixed batch size; set it to False.")
     if getattr(config, "dispatch_batches", None):
         problems.append("accelerator_config.dispatch_batches=True cannot split changing batch sizes; set it to False.")
+    from transformers import Trainer
+
+    if type(trainer)._get_train_sampler is not Trainer._get_train_sampler:
+        problems.append(
+            f"{type(trainer).__name__} overrides _get_train_sampler, which this trainer never calls: its sampler "
+            "decides coverage and the batch size. Reorder or weight the data in the dataset instead."
+        )
     parallel = trainer.get_tp_size() * trainer.get_cp_size() * trainer.get_sp_size()
     if parallel > 1:
         problems.append(f"tensor/context/sequence parallelism (size {parallel}) is not supported; use data parallelism.")

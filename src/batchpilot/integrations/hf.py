@@ -370,6 +370,12 @@ class AdaptiveBatchSizeTrainer(Trainer):
         run = self.batchpilot
         if run is None:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
+        if run.total_samples is not None and (run.samples_seen >= run.total_samples
+                                              or run.loader.epochs_done() >= self.args.num_train_epochs):
+            # Resumed from the last checkpoint of a finished run: Trainer counts epochs by steps and loops again.
+            # (epochs_done() counts a tail that drop_last will drop: that epoch is over too.)
+            self.control.should_epoch_stop = self.control.should_training_stop = True
+            return [], None
         micro = []
         for m in epoch_iterator:
             micro.append(m)
@@ -377,7 +383,8 @@ class AdaptiveBatchSizeTrainer(Trainer):
                 break
         if not micro:  # the sampler has covered the epoch
             self.control.should_epoch_stop = True
-            if run.total_samples is not None and run.epoch >= self.args.num_train_epochs:
+            # epochs_done() counts a tail that drop_last will drop: that epoch is over too.
+            if run.total_samples is not None and run.loader.epochs_done() >= self.args.num_train_epochs:
                 self.control.should_training_stop = True
             return [], None
         if len(micro) != num_batches or not micro[-1].is_last:
