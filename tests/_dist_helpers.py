@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -319,4 +320,32 @@ def plain_env_worker(rank: int, world_size: int, port: int, out_dir: str) -> Non
     total = torch.tensor([rank + 1.0])
     dist.all_reduce(total)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"init": list(got), "sum": total.item()}))
+    dist.destroy_process_group()
+
+
+def unused_branch_worker(rank: int, world_size: int, init_file: str, out_dir: str, oom_recovery: bool) -> None:
+    """Without DDP (or with oom_recovery) the engine sums the gradients: a branch no rank used must keep no
+    gradient, so AdamW's weight decay leaves it alone, as on one process."""
+    import batchpilot
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    class WithUnused(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net, self.unused = make_model(), torch.nn.Linear(5, 2).double()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)  # self.unused is never called
+
+    model = WithUnused()
+    before = [p.detach().clone() for p in model.unused.parameters()]
+    wrapped = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if oom_recovery else model
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.5)
+    pilot = batchpilot.Pilot(wrapped, opt, make_data(), batch_size=8, oom_recovery=oom_recovery)
+    for x, y in pilot.batches(max_steps=4):
+        with pilot.micro_step() if oom_recovery else contextlib.nullcontext():
+            pilot.backward(torch.nn.functional.cross_entropy(wrapped(x), y))
+    same = all(torch.equal(a, b) for a, b in zip(before, model.unused.parameters()))
+    moved = not all(torch.equal(a, b) for a, b in zip(make_model().parameters(), model.net.parameters()))
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"unused_same": same, "used_moved": moved}))
     dist.destroy_process_group()

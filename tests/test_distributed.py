@@ -205,3 +205,11 @@ def test_init_torchrun_under_a_launcher_without_torchruns_store(tmp_path):
     mp.spawn(h.plain_env_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["init"] for r in ranks] == [[0, 2], [1, 2]] and all(r["sum"] == 3.0 for r in ranks)
+
+
+@pytest.mark.parametrize("oom_recovery", [False, True])
+def test_a_parameter_no_rank_used_gets_no_update_when_the_engine_sums_gradients(tmp_path, oom_recovery):
+    mp.spawn(h.unused_branch_worker, args=(2, str(tmp_path / "init"), str(tmp_path), oom_recovery), nprocs=2,
+             join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["unused_same"] and r["used_moved"] for r in ranks)

@@ -294,7 +294,7 @@ def test_autocast_on_cpu_runs_and_learns(amp, dtype):
     assert (pilot.scaler is not None) == (amp == "fp16")
 
 
-def fp16_run(amp, steps: int, blow_up_at: int | None = None, pilot_kw: dict | None = None):
+def fp16_run(amp, steps: int, blow_up_at: int | None = None, pilot_kw: dict | None = None, inf_at: int | None = None):
     """A float64 model (autocast leaves float64 alone, so fp16 changes only the loss scaling) trained with
     accumulation, AdaScale and gradient statistics on every step; returns the pilot and the step records."""
     ds, model = make_problem(n=200)
@@ -305,6 +305,8 @@ def fp16_run(amp, steps: int, blow_up_at: int | None = None, pilot_kw: dict | No
     pilot.add_callback(lambda p, record: records.append(dict(record)))
     for x, y in pilot.batches(max_steps=steps):
         loss = torch.nn.functional.cross_entropy(model(x), y)
+        if pilot.step == inf_at:
+            loss = loss + float("inf")  # a value without a gradient
         pilot.backward(loss * 1e305 if pilot.step == blow_up_at else loss)
     return pilot, records
 
@@ -900,11 +902,11 @@ def test_trainable_parameters_the_optimizer_does_not_hold_get_fresh_gradients_ev
     # Fine-tuning the head with the body's requires_grad left on: the body's .grad must not pile up from step
     # to step in the gradient norm (so in clipping and the noise scale). Each step's norm must equal that of a
     # run whose optimizer holds the body at LR 0 (its zero_grad clears the body's gradient every step).
-    def run(hold_body: bool):
+    def run(hold_body: bool, amp=None):
         ds, model = make_problem()
         body, head = model[0], model[2]
         groups = [{"params": head.parameters()}] + ([{"params": body.parameters(), "lr": 0.0}] if hold_body else [])
-        pilot = batchpilot.Pilot(model, torch.optim.SGD(groups, lr=0.1), ds, batch_size=8, grad_clip=0.5)
+        pilot = batchpilot.Pilot(model, torch.optim.SGD(groups, lr=0.1), ds, batch_size=8, grad_clip=0.5, amp=amp)
         norms = []
         pilot.add_callback(lambda p, r: norms.append(r["grad/norm"]))
         for x, y in pilot.batches(max_steps=12):
@@ -915,6 +917,42 @@ def test_trainable_parameters_the_optimizer_does_not_hold_get_fresh_gradients_ev
     (norms_free, weights_free), (norms_held, weights_held) = run(False), run(True)
     assert norms_free == norms_held
     assert all(torch.equal(a, b) for a, b in zip(weights_free, weights_held))
+    # fp16: the GradScaler unscales only the optimizer's parameters; the body's gradient must be unscaled too
+    # (the float64 model is not cast, so the scaled run is exact).
+    norms_fp16, weights_fp16 = run(False, amp="fp16")
+    assert norms_fp16 == norms_held
+    assert all(torch.equal(a, b) for a, b in zip(weights_fp16, weights_held))
+
+
+def test_fp16_a_non_finite_loss_over_finite_gradients_is_skipped():
+    # An inf added to the loss has no gradient: the GradScaler sees finite gradients and would step.
+    pilot, records = fp16_run("fp16", 3, pilot_kw={}, inf_at=2)
+    assert records[2]["train/skipped_steps"] == 1 and not math.isfinite(records[2]["loss"])
+    assert all(math.isfinite(v) for v in pilot._losses)  # controllers never see the inf
+    reference, _ = fp16_run(None, 2)
+    assert all(torch.equal(a, b) for a, b in zip(reference.model.parameters(), pilot.model.parameters()))
+    assert pilot.scaler.get_scale() == 2.0**16  # not an overflow of the scaled gradients: the scale stays
+
+
+def test_a_param_group_added_in_a_callback_gets_the_lr_factor_from_its_first_step():
+    ds, model = make_problem()
+    body, head = model[0], model[2]
+    opt = torch.optim.SGD(head.parameters(), lr=0.1)
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=32, lr_rule="linear", base_batch_size=8)
+    body.requires_grad_(False)
+    seen = []
+
+    def unfreeze(p, record):
+        if record["step"] == 2:
+            body.requires_grad_(True)
+            opt.add_param_group({"params": body.parameters(), "lr": 0.05})
+
+    pilot.add_callback(unfreeze)
+    for x, y in pilot.batches(max_steps=4):
+        seen.append([g["lr"] for g in opt.param_groups])  # the LRs this step trains with
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    assert seen == [[0.4], [0.4], [0.4, 0.2], [0.4, 0.2]]  # x4 (32 / 8) for both groups
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.05]  # the schedule's own LRs between loops
 
 
 def test_gradients_left_over_before_training_do_not_reach_the_first_step():

@@ -265,6 +265,29 @@ def test_a_step_run_again_draws_the_same_dropout_masks():
         assert torch.equal(a, b)
 
 
+class BatchNormLimited(MemoryLimited):
+    """MemoryLimited with BatchNorm before the layer that runs out of memory: each attempt's forward moves
+    the running statistics."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        super().__init__(limit)
+        self.bn = torch.nn.BatchNorm1d(6).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.bn(x))
+
+
+def test_a_step_run_again_starts_from_the_buffers_it_started_with():
+    recovered = train(BatchNormLimited(limit=24), 6, oom_recovery=True)
+    reference = train(BatchNormLimited(), 6, max_micro_batch_size=20)
+    assert recovered["pilot"].oom_replays >= 1 and recovered["indices"] == reference["indices"]
+    model, ref = recovered["pilot"].model, reference["pilot"].model
+    for a, b in zip(model.buffers(), ref.buffers()):
+        assert torch.equal(a, b)  # running mean, variance and num_batches_tracked
+    for a, b in zip(recovered["weights"], reference["weights"]):
+        assert torch.equal(a, b)
+
+
 class NoisyData(torch.utils.data.Dataset):
     """make_data() with random augmentation drawn in __getitem__ (in the main process: no workers)."""
 

@@ -98,12 +98,18 @@ def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
     """
     if not is_distributed():
         return
+    # A parameter no rank gave a gradient keeps none (the optimizer then skips it, as on one process);
+    # one that only some ranks used is summed with zeros from the others.
+    present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=_comm_device())
+    dist.all_reduce(present, op=dist.ReduceOp.SUM)
     grads = []
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        grads.append(p.grad)
-    _flattened(lambda flat: dist.all_reduce(flat, op=dist.ReduceOp.SUM), grads)
+    for p, used in zip(params, present.tolist()):
+        if used:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+    if grads:
+        _flattened(lambda flat: dist.all_reduce(flat, op=dist.ReduceOp.SUM), grads)
 
 
 def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> None:

@@ -324,8 +324,9 @@ class Pilot:
         self._oom_error = ""
         self.oom_replays = 0  # steps run again after running out of memory
         self._step_rng: tuple[torch.Tensor, torch.Tensor | None] | None = None  # at the step's start (oom_recovery)
+        self._step_buffers: list[torch.Tensor] = []  # the module's buffers at the step's start (oom_recovery)
         if oom_recovery:  # a step run again draws what one that fitted at once did (augmentation, dropout)
-            self.loader.on_step_start = self._snapshot_rng
+            self.loader.on_step_start = self._snapshot_step
         self._step_clock = time.perf_counter()
 
     # ------------------------------------------------------------------ properties
@@ -470,8 +471,11 @@ class Pilot:
             self.coupling.unscale()
         self.coupling.scale(self.loader.next_step_size())
 
-    def _snapshot_rng(self) -> None:
+    def _snapshot_step(self) -> None:
+        """What a replayed step must start from again: the RNG, and the buffers the failed attempt's forwards
+        may have moved (BatchNorm's running statistics)."""
         self._step_rng = torch_rng(self.device)
+        self._step_buffers = [b.detach().clone() for b in self._module.buffers()]
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -624,6 +628,9 @@ class Pilot:
         self._zero_grad()
         if self._step_rng is not None:
             set_torch_rng(self._step_rng, self.device)
+        with torch.no_grad():
+            for buffer, saved in zip(self._module.buffers(), self._step_buffers):
+                buffer.copy_(saved)
         self._micro_losses.clear()
         self._meter.discard_step()
         self._micro = None
@@ -659,6 +666,11 @@ class Pilot:
         loss = loss_sum / size
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
+            if self._unheld:  # the GradScaler unscales only the optimizer's parameters
+                inverse = 1.0 / self.scaler.get_scale()
+                for p in self._unheld:
+                    if p.grad is not None:
+                        p.grad.mul_(inverse)
         measuring = self._noise is not None and self._noise.measuring
         # With a GradScaler and AdaScale the norm tells an overflowing step (skipped: no AdaScale progress).
         needs_norm = self.skip_nonfinite or self.grad_clip is not None or measuring or \
@@ -670,9 +682,13 @@ class Pilot:
         finite = math.isfinite(loss) and (math.isfinite(norm) or not self.skip_nonfinite)
         lr = self.optimizer.param_groups[0]["lr"]
         skipped = False
-        if self.skip_nonfinite and not finite and self.scaler is None:
+        # With a GradScaler, a non-finite gradient is the scaler's to skip (and lowers its scale); a non-finite
+        # loss over finite gradients is skipped here, closing the scaler's iteration (unscale_ was called).
+        if self.skip_nonfinite and not finite and (self.scaler is None or not math.isfinite(loss)):
             skipped = True
             self.skipped_steps += 1
+            if self.scaler is not None:
+                self.scaler.update()
             self._event("skipped_step", {"loss": loss, "grad_norm": norm})
         else:
             self._clip(norm)
@@ -735,10 +751,13 @@ class Pilot:
         self._decide(record)
         if self._couple:
             self.coupling.scale(self.loader.next_step_size())
+        groups = len(self.optimizer.param_groups)
         for fn in self._callbacks:
             fn(self, record)  # may set_batch_size() or load_checkpoint(): both re-apply the LR factor
         if self._callbacks:
             self._refresh_params()  # a callback may have unfrozen (or frozen) parameters
+            if self._couple and len(self.optimizer.param_groups) != groups:
+                self._rescale_lr()  # a group added in a callback gets the factor from its first step
         if self.checkpoint_every is not None and self.step % self.checkpoint_every == 0:
             self.save_checkpoint()
         self._step_clock = time.perf_counter()
