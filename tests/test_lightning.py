@@ -191,6 +191,67 @@ def test_drop_last_trains_every_epoch(tmp_path, workers):
     assert model.validations == 3 and adaptive.samples_seen == 3 * 56
 
 
+def test_drop_last_steps_epoch_interval_lr_schedulers(tmp_path):
+    # Lightning steps epoch-interval schedulers at what it knows is the epoch's last batch; an epoch whose
+    # tail is dropped ends only when the callback learns it, after that point, so the callback steps them.
+    class Halving(Model):
+        def train_dataloader(self):
+            return self.adaptive.dataloader(self.data, seed=1, drop_last=True)
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)]
+
+    adaptive = AdaptiveBatchSize(batch_size=7)  # 61 samples: 5 dropped per epoch
+    model = Halving(adaptive, make_data(), val=False)
+    trainer(tmp_path, adaptive, max_epochs=3).fit(model)
+    assert model.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 / 8)  # halved 3 times
+
+
+def test_a_changing_accumulation_or_a_mid_step_validation_is_refused(tmp_path):
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    adaptive = AdaptiveBatchSize(batch_size=4)
+    model = Model(adaptive, make_data(), val=False)
+    changing = trainer(tmp_path, adaptive, callbacks=[adaptive, GradientAccumulationScheduler({0: 1, 1: 2})])
+    with pytest.raises(ValueError, match="accumulate_grad_batches changes during the run"):
+        changing.fit(model)
+    adaptive = AdaptiveBatchSize(batch_size=4)
+    model = Model(adaptive, make_data())
+    with pytest.raises(ValueError, match="val_check_interval=3 is not a multiple of accumulate_grad_batches=2"):
+        trainer(tmp_path, adaptive, accumulate_grad_batches=2, val_check_interval=3).fit(model)
+    adaptive = AdaptiveBatchSize(batch_size=4)
+    model = Model(adaptive, make_data(), val=False)
+    with pytest.raises(ValueError, match="use fast_dev_run=2"):
+        trainer(tmp_path, adaptive, accumulate_grad_batches=2, fast_dev_run=True).fit(model)
+
+
+def test_the_loader_without_its_callback_in_the_trainer_is_refused(tmp_path):
+    adaptive = AdaptiveBatchSize(SizeList(SIZES), batch_size=4)
+    model = Model(adaptive, make_data(), val=False)
+    with pytest.raises(RuntimeError, match="callback is not in the Trainer"):
+        trainer(tmp_path, adaptive, callbacks=[]).fit(model)
+
+
+def test_a_reloaded_loader_of_another_dataset_is_refused(tmp_path):
+    class Growing(Model):
+        def train_dataloader(self):
+            n = 61 if self.current_epoch == 0 else 80  # a curriculum that changes the dataset
+            return self.adaptive.dataloader(make_data(n), seed=1)
+
+    adaptive = AdaptiveBatchSize(batch_size=8)
+    model = Growing(adaptive, make_data(), val=False)
+    with pytest.raises(ValueError, match="reloaded training dataset has 80 samples, the previous one 61"):
+        trainer(tmp_path, adaptive, reload_dataloaders_every_n_epochs=1).fit(model)
+
+
+def test_error_messages_name_the_lightning_arguments():
+    with pytest.raises(ValueError, match="change batch_size or the bounds"):
+        AdaptiveBatchSize(batch_size=64, max_batch_size=32)
+    with pytest.raises(ValueError, match="controller must be a batchpilot controller"):
+        AdaptiveBatchSize("linear", batch_size=32)
+
+
 @pytest.mark.parametrize("limit, message", [(0.5, "fraction"), (3, "not a multiple of accumulate_grad_batches=2")])
 def test_limit_train_batches_must_mean_whole_steps(tmp_path, limit, message):
     adaptive = AdaptiveBatchSize(batch_size=4)

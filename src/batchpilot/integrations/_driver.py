@@ -28,7 +28,7 @@ _FORMAT = "batchpilot.integrations.SizeDriver"
 logger = logging.getLogger("batchpilot")
 
 
-def as_controller(value: Any) -> Controller | None:
+def as_controller(value: Any, name: str = "batch_size_scheduler") -> Controller | None:
     """A batchpilot controller as is, a seed-003 callable ``(step, current_size) -> size`` wrapped in
     :class:`~batchpilot.controllers.Schedule`, or ``None`` (keep the size).
 
@@ -40,7 +40,7 @@ def as_controller(value: Any) -> Controller | None:
     if callable(value):
         return Schedule(value)
     raise TypeError(
-        f"batch_size_scheduler must be a batchpilot controller (decide/state_dict/load_state_dict) or a callable "
+        f"{name} must be a batchpilot controller (decide/state_dict/load_state_dict) or a callable "
         f"(step, current_size) -> size, got {value!r} of type {type(value).__name__}."
     )
 
@@ -57,6 +57,7 @@ class SizeDriver:
         on_invalid: ``"raise"`` or ``"keep"`` (see :func:`~batchpilot.controllers.validate_decision`).
         loss_history: How many recent step losses an :class:`~batchpilot.Observation` carries.
         rank: This process's rank (only rank 0 calls the controller).
+        names: How the integration calls the controller and the first size, for error messages.
 
     Raises:
         TypeError, ValueError: an argument is invalid (all problems in one message).
@@ -74,6 +75,7 @@ class SizeDriver:
         on_invalid: str = "raise",
         loss_history: int = 50,
         rank: int = 0,
+        names: tuple[str, str] = ("batch_size_scheduler", "per_device_train_batch_size"),
     ) -> None:
         problems = []
         for check in (
@@ -82,7 +84,7 @@ class SizeDriver:
             lambda: check_positive_int(decide_every, "decide_every"),
             lambda: check_choice(on_invalid, "on_invalid", ("raise", "keep")),
             lambda: check_positive_int(loss_history, "loss_history"),
-            lambda: as_controller(controller),
+            lambda: as_controller(controller, names[0]),
         ):
             try:
                 check()
@@ -94,7 +96,7 @@ class SizeDriver:
         ):
             problems.append(
                 f"the initial global batch size {batch_size} lies outside [min_batch_size={min_batch_size}, "
-                f"max_batch_size={max_batch_size}]; change per_device_train_batch_size or the bounds."
+                f"max_batch_size={max_batch_size}]; change {names[1]} or the bounds."
             )
         if problems:
             raise ValueError("invalid batch size settings:\n  - " + "\n  - ".join(problems))

@@ -88,6 +88,11 @@ class AdaptiveLoader:
         return len(self.dataset) * self._callback._placement()[2]
 
     def __iter__(self) -> Iterator[Any]:
+        if self._callback._trainer is None:
+            raise RuntimeError(
+                "this loader's AdaptiveBatchSize callback is not in the Trainer, so nothing would set the batch "
+                "size: pass callbacks=[adaptive] to the Trainer (the callback whose dataloader() made the loader)."
+            )
         for micro in self.loader:
             self.current = micro
             yield micro.data
@@ -144,7 +149,7 @@ class AdaptiveBatchSize(Callback):
             controller=controller, batch_size=batch_size, min_batch_size=min_batch_size,
             max_batch_size=max_batch_size, decide_every=decide_every, on_invalid=on_invalid,
         )
-        self.driver = SizeDriver(num_samples=0, **self._settings)  # validates the settings now
+        self.driver = SizeDriver(num_samples=0, names=("controller", "batch_size"), **self._settings)  # validates now
         if noise_every is not None:
             check_positive_int(noise_every, "noise_every")
         self.noise_every = noise_every
@@ -187,7 +192,14 @@ class AdaptiveBatchSize(Callback):
                  pin_memory=pin_memory, prefetch_factor=prefetch_factor),
         )
         if previous is not None and previous._loader is not None:  # reloaded dataloaders keep the position
+            if len(dataset) != len(previous.dataset):
+                raise ValueError(
+                    f"the reloaded training dataset has {len(dataset)} samples, the previous one {len(previous.dataset)}: "
+                    "the data position (which samples this epoch has covered) cannot carry over to another dataset; "
+                    "reload the same dataset (reload_dataloaders_every_n_epochs), or start a new fit."
+                )
             self._loader.load_state_dict(previous.state_dict())
+            previous._loader.close()  # its workers stop now, not at a cyclic garbage collection
         elif self._loader_state is not None:  # resuming: the position restored with the callback's state
             self._loader.load_state_dict(self._loader_state)
         self.driver.num_samples = len(dataset)
@@ -276,6 +288,7 @@ class AdaptiveBatchSize(Callback):
         self.driver.start_clock()
         self._check_batch_limit(trainer)
         self._validate_at_epoch_end(trainer)
+        self._check_fixed_accumulation(trainer)
         if self._measure and self.stats is None:
             check_measurable(trainer.world_size, trainer.accumulate_grad_batches,
                              manual=not pl_module.automatic_optimization)
@@ -289,6 +302,21 @@ class AdaptiveBatchSize(Callback):
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._validate_at_epoch_end(trainer)  # (re)loading dataloaders recomputes Lightning's schedule
+        self._check_fixed_accumulation(trainer)
+
+    def _check_fixed_accumulation(self, trainer: Any) -> None:
+        """The loader splits each step into ``accumulate_grad_batches`` micro-batches when it is built, and the
+        loss weights assume that split: a run must keep one value (GradientAccumulationScheduler changes it)."""
+        from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+        built = None if self._loader is None or self._loader._loader is None else self._loader._loader.accumulation_steps
+        if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks) or \
+                (built is not None and built != trainer.accumulate_grad_batches):
+            raise ValueError(
+                "accumulate_grad_batches changes during the run (GradientAccumulationScheduler), but each step's "
+                "split into micro-batches is fixed when the loader is built: keep one accumulate_grad_batches for "
+                "the run (the controller is what changes the batch size)."
+            )
 
     @staticmethod
     def _check_batch_limit(trainer: Any) -> None:
@@ -301,6 +329,11 @@ class AdaptiveBatchSize(Callback):
                 f"limit_train_batches={limit} is a fraction of the epoch's batches, and their number changes with "
                 "the batch size; pass an int (micro-batches per epoch, a multiple of accumulate_grad_batches) or "
                 "bound the run with max_steps."
+            )
+        if isinstance(limit, int) and limit % accumulation and trainer.fast_dev_run:
+            raise ValueError(
+                f"fast_dev_run trains {limit} batch(es), which is not a multiple of accumulate_grad_batches="
+                f"{accumulation}: the optimizer step would be cut short; use fast_dev_run={accumulation}."
             )
         if isinstance(limit, int) and limit % accumulation:
             raise ValueError(
@@ -317,6 +350,14 @@ class AdaptiveBatchSize(Callback):
         loader is only an upper bound; an int interval (every k batches) and time intervals work as is.
         """
         interval = trainer.val_check_interval
+        accumulation = trainer.accumulate_grad_batches
+        if isinstance(interval, int) and not isinstance(interval, bool) and interval % accumulation:
+            raise ValueError(
+                f"val_check_interval={interval} is not a multiple of accumulate_grad_batches={accumulation}: a "
+                "validation (and a checkpoint it triggers) would fall inside an optimizer step, and a run resumed "
+                f"from there would be out of step with the data; use a multiple, e.g. "
+                f"{max(accumulation, interval - interval % accumulation)}."
+            )
         if not isinstance(interval, float) or getattr(trainer, "_val_check_time_interval", None) is not None:
             return
         if interval != 1.0:
@@ -395,9 +436,13 @@ class AdaptiveBatchSize(Callback):
             for metrics, prog_bar in ((shown, True), (hidden, False)):
                 pl_module.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=prog_bar,
                                    batch_size=max(micro.size, 1), rank_zero_only=True)
-        if loader.position()[0] > micro.epoch or (loader.sampler.drop_last and loader.position()[0] == micro.epoch
-                                                   and loader.sampler.num_samples - offset < new):
-            self._mark_last_batch(trainer)  # the epoch is over (covered, or its tail will be dropped)
+        if loader.position()[0] > micro.epoch:
+            self._mark_last_batch(trainer)  # the epoch is covered (marked already when the step began)
+        elif loader.sampler.drop_last and loader.sampler.num_samples - offset < new:
+            # Its tail will be dropped: the epoch is over, which Lightning learns only now, after the point
+            # where it steps epoch-interval LR schedulers at an epoch's last batch; step them here.
+            self._mark_last_batch(trainer)
+            trainer.fit_loop.epoch_loop.update_lr_schedulers("epoch", update_plateau_schedulers=False)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self._loader is not None and self._loader._loader is not None:
