@@ -245,7 +245,7 @@ def test_policy_list_errors():
 @pytest.mark.parametrize("argv, fragment", [
     (["bench", "--policies", "static:32,bogus"], "unknown policy kind 'bogus'"),
     (["bench", "--workload", "imagenet"],
-     "unknown workload 'imagenet'; choose one of: digits, mnist1d, seqsum, synthetic, or all."),
+     "unknown workload 'imagenet'; choose one of: cifar10, cifar100, digits, mnist1d, seqsum, synthetic, or all."),
     (["bench", "--workload", "synthetic", "--tune-factors", "1,x"], "--tune-factors '1,x' is not"),
     (["bench", "--workload", "synthetic", "--tune-factors", "0,1"], "must list positive numbers"),
     (["bench", "--workload", "synthetic", "--policies", "noise-scale:5"], "takes no argument"),
@@ -272,7 +272,7 @@ def test_cli_out_that_is_a_file_exits_2(tmp_path, capsys):
 
 def test_get_workload_lists_the_names():
     assert get_workload("synthetic") is WORKLOADS["synthetic"]
-    with pytest.raises(ValueError, match="choose one of: digits, mnist1d, seqsum, synthetic"):
+    with pytest.raises(ValueError, match="choose one of: cifar10, cifar100, digits, mnist1d, seqsum, synthetic"):
         get_workload("mnist")
 
 
@@ -460,6 +460,18 @@ def test_mnist1d_generation_and_cache(tmp_path, monkeypatch):
     assert test.tensors[1].shape == (200,) and test.tensors[1].dtype == torch.int64
     logits = mnist1d_cnn(0)(train.tensors[0][:4])
     assert logits.shape == (4, 10)
+    # A damaged cache file (empty, or a truncated zip) is generated again.
+    for damage in (b"", cached[0].read_bytes()[:100]):
+        cached[0].write_bytes(damage)
+        for key, value in load_mnist1d(num_samples=1000, seed=3).items():
+            np.testing.assert_array_equal(value, data[key])
+    # A cache folder that cannot be written: the data is still made, with a warning that names the fix.
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("BATCHPILOT_CACHE", str(blocked / "sub"))
+    with pytest.warns(UserWarning, match="cannot cache MNIST-1D.*BATCHPILOT_CACHE"):
+        fresh = load_mnist1d(num_samples=1000, seed=3)
+    np.testing.assert_array_equal(fresh["x"], data["x"])
 
 
 # ----------------------------------------------------------------------------- critical batch (McCandlish fit)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -73,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
                        "machine, 1 thread is far less sensitive to other processes.")
     bench.add_argument("--device", default="cpu",
                        help="where to train: cpu (default), cuda or cuda:N. The data sets are moved there once.")
+    bench.add_argument("--data-dir", default=None,
+                       help="folder of real data sets (cifar10: cifar-10-batches-py/, cifar100: cifar-100-python/). "
+                       "Default: $BATCHPILOT_DATA, else ~/.cache/batchpilot/data.")
     bench.add_argument("--no-progress", dest="progress", action="store_false", help="print only the results.")
     bench.set_defaults(run=_bench, subparser=bench)
 
@@ -153,6 +157,10 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
         torch.set_num_threads(args.threads)
 
+    if args.data_dir is not None:
+        if not Path(args.data_dir).expanduser().is_dir():
+            parser.error(f"--data-dir {args.data_dir!r} is not a folder.")
+        os.environ["BATCHPILOT_DATA"] = str(Path(args.data_dir).expanduser())
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -171,7 +179,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             results = run_benchmark(workload, policies, seeds, target, budget, folder, args.eval_every, args.progress,
                                     calibrate_steps=args.calibrate_steps, tune_factors=factors, resume=args.resume,
                                     device=args.device)
-        except ImportError as exc:  # a missing optional extra (mnist1d, scikit-learn)
+        except (ImportError, FileNotFoundError) as exc:  # a missing optional extra, or a real data set not there
             parser.exit(2, f"batchpilot bench: error: {exc}\n")
         except ValueError as exc:  # --resume from a damaged or different results.json, or an unusable --device
             parser.error(str(exc))

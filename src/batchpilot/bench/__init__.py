@@ -1,7 +1,8 @@
 """The built-in benchmark: workloads, policies, the time-to-accuracy runner, reports with plots.
 
 ``batchpilot bench`` (see :mod:`batchpilot.cli`) is a thin wrapper around :func:`run_benchmark` and
-:func:`write_report`. Modules: ``workloads`` and ``tasks`` (data and models), ``policies`` (the
+:func:`write_report`. Modules: ``workloads``, ``tasks`` and ``cifar`` (data and models; ``load_cifar`` reads
+CIFAR-10/100 from a local folder), ``policies`` (the
 ``--policies`` language), ``specs`` (what each policy trains), ``calibrate`` (step-time cost model,
 batch-size finder), ``train`` (one run), ``runner`` (the benchmark), ``summary`` (medians, best static,
 targets), ``report``, ``plots`` and ``progress``. Plotting needs
@@ -9,6 +10,7 @@ targets), ``report``, ``plots`` and ``progress``. Plotting needs
 when used.
 """
 
+from .cifar import load_cifar
 from .policies import Policy, parse_policies, parse_policy
 from .report import format_table, plot_log, write_report
 from .runner import run_benchmark
@@ -21,6 +23,7 @@ __all__ = [
     "Workload",
     "format_table",
     "get_workload",
+    "load_cifar",
     "parse_policies",
     "parse_policy",
     "plot_log",
