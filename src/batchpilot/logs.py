@@ -103,7 +103,7 @@ def _drop_cut_last_line(path: Path) -> None:
         if f.read(1) == b"\n":
             return
         f.seek(0)
-        if not f.read(len(_RECORD_START)) == _RECORD_START:  # not an adjustment log: leave it as it is
+        if f.read(len(_RECORD_START)) != _RECORD_START:  # not an adjustment log: leave it as it is
             return
         pos, cut = f.seek(0, os.SEEK_END), 0
         while pos > 0:  # the last newline, reading backwards in blocks
