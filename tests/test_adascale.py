@@ -109,8 +109,9 @@ def test_scale_rejects_bad_gains(gain):
 def test_gain_for_uses_b0_and_falls_back_to_one():
     ada = AdaScaleLR(None, base_batch_size=10)
     assert ada.gain_for(100, 1000.0, 1.0) == pytest.approx(101 / 11)  # as in test_gain_values
-    assert ada.gain_for(100) == 1.0  # not measured yet
+    assert ada.gain_for(100) == 1.0  # not measured yet: no scaling above B0
     assert ada.gain_for(100, math.nan, 1.0) == 1.0
+    assert ada.gain_for(4) == 0.4  # below B0 the smallest gain possible, S (the linear rule), not 1
 
 
 def test_unscale_divides_when_something_else_changed_the_lr():

@@ -197,3 +197,19 @@ def test_hf_oom_recovery_with_a_real_cuda_out_of_memory_error(tmp_path):
     trainer.train()
     run = trainer.batchpilot
     assert run.samples_seen == 2 * rows and run.oom_replays >= 1 and run.max_micro_batch_size <= rows // 2
+
+
+def test_a_checkpoint_keeps_the_training_devices_cuda_stream_only():
+    # The state of the device the run trains on, restored into the device the resumed run trains on (a
+    # rank's device index can differ after a resume on another node layout).
+    from batchpilot.rng import gather_rng_states, restore_rng_states
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.manual_seed(3)
+    torch.rand(4, device=device)
+    states = gather_rng_states(1, device)
+    assert states[0]["cuda_device"] is True and len(states[0]["cuda"]) == 1
+    expected = torch.rand(5, device=device)
+    torch.rand(100, device=device)
+    restore_rng_states(states, 0, 1, device)
+    assert torch.equal(torch.rand(5, device=device), expected)

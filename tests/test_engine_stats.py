@@ -147,3 +147,72 @@ def test_micro_timer_on_cuda_counts_the_queued_work_not_the_launches():
     wall = time.perf_counter() - began
     assert launched < 0.5 * wall  # the work really ran asynchronously
     assert MicroTimer.seconds(pending) == pytest.approx(wall, rel=0.3)
+
+
+def _tiny_pilot(**kw):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    data = TensorDataset(torch.randn(512, 4), torch.randint(0, 2, (512,)))
+    return model, batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.01), data, batch_size=16,
+                                   progress=False, **kw)
+
+
+def test_the_noise_probes_work_is_not_counted_as_the_micro_batchs_time(monkeypatch):
+    # The probe reads the gradients after each backward; that cost belongs to measuring, not to the
+    # micro-batch, or the throughput fit that Goodput reads would carry it at the measured steps' sizes.
+    import time
+
+    model, pilot = _tiny_pilot(noise_every=1)
+    slow = pilot._noise.after_backward
+
+    def after_backward(*args, **kwargs):
+        time.sleep(0.02)
+        return slow(*args, **kwargs)
+
+    monkeypatch.setattr(pilot._noise, "after_backward", after_backward)
+    for x, y in pilot.batches(max_steps=25):
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    record = pilot.last_record
+    predicted = record["perf/micro_time_a_s"] + 16 * record["perf/micro_time_b_s"]
+    assert predicted < 0.01  # a tiny linear model: well under the 20 ms the probe slept per micro-batch
+
+
+def test_starting_a_data_iterator_is_not_counted_as_per_step_overhead(monkeypatch):
+    import time
+
+    from batchpilot.data.loader import AdaptiveDataLoader
+
+    model, pilot = _tiny_pilot()
+    start = AdaptiveDataLoader.__iter__
+
+    def slow_start(self):
+        time.sleep(0.05)  # workers starting, say
+        return start(self)
+
+    monkeypatch.setattr(AdaptiveDataLoader, "__iter__", slow_start)
+    for _ in range(12):  # many short loops: every one starts an iterator
+        for x, y in pilot.batches(max_steps=pilot.step + 2):
+            pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    assert pilot.last_record["perf/step_overhead_s"] < 0.01
+
+
+def test_system_every_is_validated():
+    with pytest.raises(ValueError, match="system_every"):
+        _tiny_pilot(system_every=0)
+
+
+def test_the_progress_total_is_the_nearest_bound(monkeypatch):
+    import batchpilot.engine as engine
+
+    totals = []
+
+    class Recording(engine.ProgressBar):
+        def __init__(self, total, enabled):
+            totals.append(total)
+            super().__init__(total, enabled)
+
+    monkeypatch.setattr(engine, "ProgressBar", Recording)
+    model, pilot = _tiny_pilot()
+    for x, y in pilot.batches(epochs=3, max_samples=64):
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    assert totals == [64]  # not 3 x 512

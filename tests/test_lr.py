@@ -278,6 +278,39 @@ def test_coupling_state_dict_is_json_and_has_factor_and_flag():
     state = coupling.state_dict()
     assert json.loads(json.dumps(state)) == state
     assert state["factor"] == 3.0 and state["scaled"] is True and state["batch_size"] == 48
+    assert (state["base_batch_size"], state["rule"]) == (16, "linear")
+
+
+def test_coupling_state_of_another_anchor_or_rule_is_refused():
+    # Resuming a run anchored at B0 = 16 with B0 = 48 would run at a third of the LR, silently.
+    saved = LRCoupling(make_optimizer(), 16, rule="linear")
+    saved.scale(48)
+    state = saved.state_dict()
+    for other, message in ((LRCoupling(make_optimizer(), 48, rule="linear"), "base_batch_size=16 there, 48 here"),
+                           (LRCoupling(make_optimizer(), 16, rule="sqrt"), "rule='linear' there, 'sqrt' here")):
+        with pytest.raises(ValueError, match=message):
+            other.load_state_dict(state)
+    old = {k: v for k, v in state.items() if k not in ("base_batch_size", "rule", "knee")}
+    LRCoupling(make_optimizer(), 48, rule="linear").load_state_dict(old)  # older checkpoints: nothing to check
+
+
+def test_a_pilot_resumed_with_another_anchor_is_refused(tmp_path):
+    import batchpilot
+
+    def pilot(batch_size, **kw):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+        return batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), data, batch_size=batch_size,
+                                lr_rule="linear", progress=False, **kw)
+
+    run = pilot(8)
+    for x, y in run.batches(max_steps=2):
+        run.backward(torch.nn.functional.cross_entropy(run.model(x), y))
+    path = run.save_checkpoint(tmp_path / "c.pt")
+    with pytest.raises(batchpilot.CheckpointError, match="base_batch_size=8 there, 32 here"):
+        pilot(32).load_checkpoint(path)  # B0 defaults to the first batch: 32 here, 8 in the run
+    assert pilot(32, base_batch_size=8).load_checkpoint(path) == path
 
 
 # ----------------------------------------------------------------------------- sample-keyed schedules

@@ -58,6 +58,13 @@ def test_model_optimizer_and_rng_are_restored():
     assert optimizer.param_groups[0]["lr"] == 0.05 and not model.training
 
 
+def test_no_gradient_is_left_on_parameters_the_optimizer_does_not_hold():
+    model, batches = problem(1)
+    head = list(model.parameters())[-2:]  # the optimizer holds only the last layer; the rest stays trainable
+    lr_range_test(model, torch.optim.SGD(head, lr=0.05), batches, loss_fn, lr_min=1e-3, lr_max=1.0, steps=20)
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_a_loss_that_never_falls_has_no_suggestion():
     model, batches = problem()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -85,3 +85,11 @@ def test_sigkill_with_worker_processes(tmp_path, reference):
     assert read_ids(tmp_path / "ids.txt")[-1] == read_ids(reference / "ids.txt")[-1]
     for a, b in zip(torch.load(reference / "weights.pt"), torch.load(tmp_path / "weights.pt")):
         assert torch.equal(a, b)
+
+
+def test_a_cpu_runs_checkpoint_holds_no_cuda_state():
+    # Only the training device's CUDA stream is kept: a CPU run stores none (and never initialises CUDA for it).
+    from batchpilot.rng import gather_rng_states
+
+    state = gather_rng_states(1, torch.device("cpu"))[0]
+    assert state["cuda"] == [] and state["cuda_device"] is True

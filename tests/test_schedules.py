@@ -321,6 +321,18 @@ def test_load_state_dict_rejects_non_mapping():
         Constant(8).load_state_dict([1, 2])
 
 
+def test_a_state_saved_by_another_controller_is_refused():
+    from batchpilot.controllers import NoiseScale
+
+    with pytest.raises(ValueError, match="saved by controller 'NoiseScale', not 'Constant'"):
+        Constant(64).load_state_dict(NoiseScale().state_dict())
+    with pytest.raises(ValueError, match="saved by controller 'Constant', not 'MultiplicativeStep'"):
+        MultiplicativeStep(8, 2, every_steps=10, max_size=64).load_state_dict(Constant(8).state_dict())
+    with pytest.raises(ValueError, match="not by a Schedule"):
+        Schedule(lambda step, size: size).load_state_dict(NoiseScale().state_dict())
+    Constant(64).load_state_dict(Constant(32).state_dict())  # the same kind of controller loads
+
+
 # ----------------------------------------------------------------------------- constructor errors
 
 

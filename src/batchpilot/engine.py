@@ -189,6 +189,7 @@ class Pilot:
             loss_reduction=lambda: check_choice(loss_reduction, "loss_reduction", ("mean", "sum")),
             loss_history=lambda: check_positive_int(loss_history, "loss_history"),
             noise_every=lambda: noise_every is None or check_positive_int(noise_every, "noise_every"),
+            system_every=lambda: system_every is None or check_positive_int(system_every, "system_every"),
             keep_checkpoints=lambda: check_positive_int(keep_checkpoints, "keep_checkpoints"),
             checkpoint_every=lambda: checkpoint_every is None or check_positive_int(checkpoint_every, "checkpoint_every"),
             grad_clip=lambda: _check_grad_clip(grad_clip),
@@ -325,6 +326,8 @@ class Pilot:
         self.oom_replays = 0  # steps run again after running out of memory
         self._step_rng: tuple[torch.Tensor, torch.Tensor | None] | None = None  # at the step's start (oom_recovery)
         self._step_buffers: list[torch.Tensor] = []  # the module's buffers at the step's start (oom_recovery)
+        self._overhead_clean = False  # whether this step's time outside its micro-batches is a fair sample
+        self._rewinds_seen = self.loader.rewinds
         if oom_recovery:  # a step run again draws what one that fitted at once did (augmentation, dropout)
             self.loader.on_step_start = self._snapshot_step
         self._step_clock = time.perf_counter()
@@ -402,7 +405,8 @@ class Pilot:
         for name, value in (("epochs", epochs), ("max_steps", max_steps), ("max_samples", max_samples)):
             if value is not None:
                 check_positive_int(value, name, minimum=0)
-        total = epochs * self.num_samples if epochs is not None else max_samples
+        bounds = [b for b in (None if epochs is None else epochs * self.num_samples, max_samples) if b is not None]
+        total = min(bounds) if bounds else None  # in samples (max_steps alone gives no sample count)
         bar = ProgressBar(None if total is None else max(total - self.samples_seen, 0), self._progress_enabled)
 
         def done() -> bool:
@@ -420,6 +424,7 @@ class Pilot:
         try:
             while not done():
                 micro_batches = iter(self.loader)  # a tail left to drop is dropped here (drop_last)
+                self._overhead_clean = False  # the next step's time includes the iterator's start
                 epoch_start = self.loader.position()[1] == 0
                 self._report_drops()
                 yielded = False
@@ -516,8 +521,6 @@ class Pilot:
                 yield data
         if self._oom_size is not None:
             return  # this step runs again (see micro_step)
-        if not micro.ghost:
-            self._meter.end_micro(micro.size)
         if not self._backward_done:
             raise RuntimeError(
                 "pilot.backward(loss) was not called for the last micro-batch; call it exactly once per "
@@ -593,6 +596,8 @@ class Pilot:
             scaled = self.scaler.scale(scaled)
         scaled.backward()
         self._backward_done = True
+        if n:  # the micro-batch's time ends here: the noise probe's work below is not its cost
+            self._meter.end_micro(n)
         if self._noise is not None and self._noise.measuring and n:
             # increment of .grad = weight * grad(loss); grad(loss) = g_j for a mean loss, n * g_j for a sum
             to_mean = weight * (1 if self.loss_reduction == "mean" else n)
@@ -721,7 +726,11 @@ class Pilot:
         self._throughput = rate if self._throughput is None else 0.9 * self._throughput + 0.1 * rate
         if not skipped:
             self._losses.append(loss)
-        stats.update(self._meter.end_step(self.step, loss, step_time, skipped))
+        # A step that started a data iterator, or refilled prefetching after a size change, is no sample of
+        # the per-step overhead (its micro-batches still count).
+        clean = self._overhead_clean and self.loader.rewinds == self._rewinds_seen
+        self._overhead_clean, self._rewinds_seen = True, self.loader.rewinds
+        stats.update(self._meter.end_step(self.step, loss, step_time, skipped, overhead=clean))
         epoch, offset, _ = self.loader.position()
         record = {
             "step": self.step,
@@ -908,7 +917,7 @@ class Pilot:
             },
             **{key: None if obj is None else obj.state_dict() for key, obj in self._components().items()},
             "lr_schedulers": [s.state_dict() for s in self.lr_schedulers],
-            "rng": gather_rng_states(self.world_size),
+            "rng": gather_rng_states(self.world_size, self.device),
             "log_position": None if self._log is None else self._log.position(),
         }
 
@@ -951,7 +960,7 @@ class Pilot:
             scheduler.load_state_dict(s)
         self._keep_own_settings(drop_last, micro)
         self._dropped_reported = self.loader.sampler.dropped_samples
-        restore_rng_states(state["rng"], self.rank, self.world_size)
+        restore_rng_states(state["rng"], self.rank, self.world_size, self.device)
         if self._log is not None and state["log_position"] is not None:
             self._log.truncate(state["log_position"])
         if self._tb is not None:

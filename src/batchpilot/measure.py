@@ -272,13 +272,20 @@ class StepMeter:
         self._micro_sizes.clear()
         self._micro_seconds.clear()
 
-    def end_step(self, step: int, loss: float, step_seconds: float, skipped: bool) -> dict[str, float]:
-        """Fold in the finished step; return the metrics for the step record."""
+    def end_step(self, step: int, loss: float, step_seconds: float, skipped: bool,
+                 overhead: bool = True) -> dict[str, float]:
+        """Fold in the finished step; return the metrics for the step record. ``overhead=False``: the step's
+        time outside its micro-batches is no fair sample of the per-step overhead (it started a data iterator,
+        say); only its micro-batches are recorded."""
         if not skipped and math.isfinite(loss):
             self.trend.update(loss)
         if self._micro_sizes:
             seconds = [MicroTimer.seconds(s) for s in self._micro_seconds]
-            self.throughput.observe_step(self._micro_sizes, seconds, max(step_seconds, sum(seconds)))
+            if overhead:
+                self.throughput.observe_step(self._micro_sizes, seconds, max(step_seconds, sum(seconds)))
+            else:
+                for size, t in zip(self._micro_sizes, seconds):
+                    self.throughput.observe_micro(size, t)
         self.discard_step()
         if step % self.refresh_every == 0 or not self._metrics:
             # Refitting the throughput model and the trend costs tens of microseconds: every few steps is

@@ -1,7 +1,7 @@
 """Random-number-generator states, captured and restored for exact resume.
 
-Covers the generators a training loop typically draws from: torch (CPU and every CUDA device), numpy's
-global generator and Python's ``random``. States are stored as tensors, lists and numbers only, so a
+Covers the generators a training loop typically draws from: torch (CPU, and the CUDA device the process
+trains on), numpy's global generator and Python's ``random``. States are stored as tensors, lists and numbers only, so a
 checkpoint stays loadable with ``torch.load(weights_only=True)``.
 """
 
@@ -20,12 +20,15 @@ from . import distributed as bpdist
 logger = logging.getLogger("batchpilot")
 
 
-def rng_state() -> dict[str, Any]:
-    """This process's generator states."""
+def rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """This process's generator states; CUDA's only for ``device`` when it is a CUDA device (the stream this
+    process draws from, restored into whatever device the resumed process trains on; a CPU run never
+    initialises CUDA for it)."""
     np_state: Any = np.random.get_state()  # the legacy tuple (the default)
     return {
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": [torch.cuda.get_rng_state(device)] if device is not None and device.type == "cuda" else [],
+        "cuda_device": True,  # "cuda" holds the training device's state only (older checkpoints: every device's)
         "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
         "python": random.getstate(),
     }
@@ -43,9 +46,10 @@ def set_torch_rng(state: tuple[torch.Tensor, torch.Tensor | None], device: torch
         torch.cuda.set_rng_state(state[1], device)
 
 
-def gather_rng_states(world_size: int) -> list[dict[str, Any]]:
-    """Every rank's states, in rank order (a collective under ``torch.distributed``)."""
-    state = rng_state()
+def gather_rng_states(world_size: int, device: torch.device | None = None) -> list[dict[str, Any]]:
+    """Every rank's states, in rank order (a collective under ``torch.distributed``); ``device``: the device
+    this rank trains on."""
+    state = rng_state(device)
     if world_size == 1 or not bpdist.is_distributed():
         return [state]
     gathered: list[Any] = [None] * world_size
@@ -53,8 +57,10 @@ def gather_rng_states(world_size: int) -> list[dict[str, Any]]:
     return gathered
 
 
-def restore_rng_states(states: list[dict[str, Any]], rank: int, world_size: int) -> None:
-    """Restore this rank's states; with another world size, warn and leave the generators as they are."""
+def restore_rng_states(states: list[dict[str, Any]], rank: int, world_size: int,
+                       device: torch.device | None = None) -> None:
+    """Restore this rank's states (the CUDA one into ``device``, the device this rank trains on now); with
+    another world size, warn and leave the generators as they are."""
     if len(states) != world_size:
         logger.warning(
             "checkpoint holds RNG states of %d ranks, this job has %d: RNG streams are not restored exactly",
@@ -63,7 +69,10 @@ def restore_rng_states(states: list[dict[str, Any]], rank: int, world_size: int)
         return
     state = states[rank]
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
+    if state.get("cuda_device"):
+        if state["cuda"] and device is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda"][0], device)
+    elif state["cuda"] and torch.cuda.is_available():  # an older checkpoint: a state per device index
         # As many devices as this process sees (a job resumed with fewer visible GPUs must not fail).
         for index, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(cuda_state, index)

@@ -60,8 +60,15 @@ class _Stateless:
         return {"name": self.name}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Accept what :meth:`state_dict` returned (nothing to restore)."""
+        """Accept what :meth:`state_dict` returned (nothing to restore).
+
+        Raises:
+            ValueError: the state was saved by another controller.
+        """
         _check_state(state, self.name)
+        if state.get("name", self.name) != self.name or set(state) - {"name"}:
+            raise ValueError(f"this state was saved by controller {state.get('name')!r}, not {self.name!r}; build "
+                             "the same controller before loading its state.")
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if k != "name")
@@ -107,8 +114,16 @@ class Schedule:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore ``fn``'s own state if it has any; the wrapper itself is stateless."""
+        """Restore ``fn``'s own state if it has any; the wrapper itself is stateless.
+
+        Raises:
+            ValueError: the state holds more than a schedule's (another controller saved it).
+        """
         _check_state(state, self.name)
+        if set(state) - {"name", "fn"}:
+            raise ValueError(f"this state was saved by controller {state.get('name')!r} (it holds "
+                             f"{sorted(set(state) - {'name', 'fn'})}), not by a Schedule; build the same controller "
+                             "before loading its state.")
         if "fn" in state and callable(getattr(self.fn, "load_state_dict", None)):
             self.fn.load_state_dict(state["fn"])  # type: ignore[attr-defined]
 

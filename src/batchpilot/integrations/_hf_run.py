@@ -195,7 +195,11 @@ class HFRun:
         """Scale the LR for the first step (or restore a saved coupling); call once the optimizer exists."""
         if self.lr_rule == "none" or self.coupling is not None:
             return
-        self.coupling = LRCoupling(optimizer, self.driver.initial_batch_size, rule=self.lr_rule, knee=self.lr_knee)
+        # A resumed run keeps the LR rule's anchor: the first global batch of the original run (a resume under
+        # another world size has another first global batch).
+        state = self._coupling_state or {}
+        base = int(state.get("base_batch_size", self.driver.initial_batch_size))
+        self.coupling = LRCoupling(optimizer, base, rule=self.lr_rule, knee=self.lr_knee)
         if self._coupling_state is not None:
             self.coupling.load_state_dict(self._coupling_state)  # the loaded optimizer holds the scaled LRs
         if not self.coupling.is_scaled:

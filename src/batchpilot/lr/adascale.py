@@ -100,9 +100,10 @@ class AdaScaleLR:
     def gain_for(
         self, batch_size: int, trace_cov: float | None = None, grad_sq_norm: float | None = None
     ) -> float:
-        """:func:`adascale_gain` at this ``B0``; 1.0 (no scaling) while a statistic is ``None`` or NaN."""
+        """:func:`adascale_gain` at this ``B0``; while a statistic is ``None`` or NaN, ``min(1, S)`` with
+        ``S = B / B0``, the smallest gain possible at that scale (no scaling above ``B0``, the linear rule below)."""
         if trace_cov is None or grad_sq_norm is None or math.isnan(trace_cov) or math.isnan(grad_sq_norm):
-            return 1.0
+            return min(1.0, batch_size / self.base_batch_size)
         return adascale_gain(trace_cov, grad_sq_norm, batch_size, self.base_batch_size)
 
     def scale(self, gain: float) -> float:

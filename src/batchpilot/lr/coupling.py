@@ -171,8 +171,12 @@ class LRCoupling:
         return lrs if self._scaled else [lr * self._factor for lr in lrs]
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state: the factor, the batch size, whether the LRs are scaled, saved LRs."""
+        """JSON-serialisable state: the anchor (``base_batch_size``, rule, knee), the factor, the batch size,
+        whether the LRs are scaled, saved LRs."""
         return {
+            "base_batch_size": self.base_batch_size,
+            "rule": self.rule if isinstance(self.rule, str) else "callable",
+            "knee": self.knee,
             "factor": self._factor,
             "batch_size": self._batch_size,
             "scaled": self._scaled,
@@ -181,7 +185,19 @@ class LRCoupling:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; load the optimizer's own state dict alongside it."""
+        """Restore :meth:`state_dict` output; load the optimizer's own state dict alongside it.
+
+        Raises:
+            ValueError: the state was saved with another ``base_batch_size``, rule or knee (the LR would change
+                silently: with B0 = 256 instead of 32 the linear rule's factor at 256 is 1, not 8).
+        """
+        rule = self.rule if isinstance(self.rule, str) else "callable"
+        saved = {"rule": rule, "base_batch_size": self.base_batch_size if rule != "none" else state.get("base_batch_size"),
+                 "knee": self.knee if rule == "linear-then-sqrt" else state.get("knee")}
+        differ = [f"{k}={state[k]!r} there, {v!r} here" for k, v in saved.items() if k in state and state[k] != v]
+        if differ:
+            raise ValueError(f"this LR coupling state was saved with other settings ({'; '.join(differ)}); build it "
+                             "with the run's own (Pilot(base_batch_size=..., lr_rule=..., lr_knee=...)) before loading.")
         self._factor = float(state["factor"])
         self._batch_size = None if state.get("batch_size") is None else int(state["batch_size"])
         self._scaled = bool(state["scaled"])

@@ -165,6 +165,8 @@ def lr_range_test(
             model.load_state_dict(model_state)
             optimizer.load_state_dict(optimizer_state)
             optimizer.zero_grad(set_to_none=True)  # the last sweep step's gradient must not reach training
+            for param in model.parameters():  # nor the sweep's summed gradients of parameters the optimizer lacks
+                param.grad = None
             for module, training in modes:
                 module.train(training)
     best = min(range(len(smoothed)), key=smoothed.__getitem__)
