@@ -76,7 +76,9 @@ if installed "$EXTRA" || { [ "$EXTRA" = all ] && installed dev; }; then
     log "batchpilot[$EXTRA] is already installed from this pyproject.toml; nothing to do"
 else
     log "installing batchpilot (editable) with extras [$EXTRA]: pip install -e \".[$EXTRA]\""
-    python -m pip install -e ".[$EXTRA]"
+    # torch held at the installed version: an extra asking for a newer one must fail here, not pull a
+    # multi-GB CUDA build over it.
+    python -m pip install -e ".[$EXTRA]" "torch==$TORCH_VERSION"
     mkdir -p "$STAMP_DIR"
     echo "$HASH" > "$STAMP_DIR/$EXTRA"
 fi

@@ -829,7 +829,16 @@ def test_missing_framework_names_the_extra_and_the_core_never_imports_it(module,
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert f'pip install "batchpilot[{extra}]"' in out.stdout
+    assert f'pip install "batchpilot[{extra}]"' in out.stdout and f'pip install -e ".[{extra}]"' in out.stdout
+
+
+def test_the_hf_integration_names_the_torch_it_needs():
+    # transformers 5 turns Trainer into a placeholder under torch < 2.6: say so instead of failing later.
+    code = ("import torch\ntorch.__version__ = '2.5.1+cpu'\ntry:\n    import batchpilot.integrations.hf\n"
+            "except ImportError as err:\n    print(err)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "needs torch >= 2.6" in out.stdout and "2.5.1+cpu" in out.stdout
 
 
 # --------------------------------------------------------------------------------------------- example

@@ -16,6 +16,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from ._extras import install_hint
+
 
 def _clean(value: Any) -> Any:
     """JSON has no NaN/inf: write them as strings so every line stays valid JSON."""
@@ -164,9 +166,7 @@ class TensorBoardSink:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:  # pragma: no cover - depends on the environment
-            raise ImportError(
-                'tensorboard_dir needs TensorBoard: pip install "batchpilot[tensorboard]"'
-            ) from exc
+            raise ImportError(f"tensorboard_dir needs TensorBoard: {install_hint('tensorboard')}") from exc
         self._writer_class, self._log_dir = SummaryWriter, str(log_dir)
         self._writer = SummaryWriter(log_dir=self._log_dir)
 
@@ -199,7 +199,7 @@ class ProgressBar:
             except ImportError:
                 import warnings
 
-                warnings.warn('progress=True needs tqdm: pip install "batchpilot[progress]"', stacklevel=3)
+                warnings.warn(f"progress=True needs tqdm: {install_hint('progress')}", stacklevel=3)
                 return
             self._bar = tqdm(total=total, unit="sample", unit_scale=True, dynamic_ncols=True)
 

@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .._extras import install_hint
+
 __all__ = ["plot_bench", "plot_log"]
 
 
@@ -22,7 +24,7 @@ def _pyplot() -> Any:
         import matplotlib
     except ImportError as exc:
         raise ImportError(
-            'plotting needs matplotlib, an optional extra of batchpilot; install it with: pip install "batchpilot[plot]"'
+            f"plotting needs matplotlib, an optional extra of batchpilot; install it with: {install_hint('plot')}"
         ) from exc
     matplotlib.use("Agg", force=True)  # files only; never a GUI backend
     import matplotlib.pyplot as plt

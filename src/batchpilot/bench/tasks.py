@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from .._extras import install_hint
+
 __all__ = ["DigitsMLP", "SeqSumTransformer", "digits_data", "digits_mlp", "seqsum_data", "seqsum_transformer"]
 
 
@@ -32,7 +34,7 @@ def _load_digits() -> tuple[np.ndarray, np.ndarray]:
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(
             "the digits workload needs scikit-learn (its bundled load_digits data), an optional extra of "
-            'batchpilot; install it with: pip install "batchpilot[bench]"'
+            f"batchpilot; install it with: {install_hint('bench')}"
         ) from exc
     x, y = load_digits(return_X_y=True)
     return (x / 16.0).astype(np.float32), y.astype(np.int64)

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from .._extras import install_hint
 from .cifar import cifar_resnet, load_cifar
 from .tasks import adam, digits_data, digits_mlp, seqsum_data, seqsum_transformer
 
@@ -134,7 +135,7 @@ def _import_mnist1d() -> tuple[Callable[..., dict], Callable[..., Any]]:
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(
             "the mnist1d workload needs the 'mnist1d' package, an optional extra of batchpilot; "
-            'install it with: pip install "batchpilot[bench]"'
+            f"install it with: {install_hint('bench')}"
         ) from exc
     return make_dataset, get_dataset_args
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from .._extras import install_hint
+
 
 def require(module: str, extra: str, *, what: str) -> ModuleType:
     """Import ``module``; if it is missing, raise an ImportError naming the batchpilot extra to install.
@@ -16,6 +18,5 @@ def require(module: str, extra: str, *, what: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError as exc:
         raise ImportError(
-            f"{what} needs the {module!r} package, which is not installed; "
-            f'install it with: pip install "batchpilot[{extra}]"'
+            f"{what} needs the {module!r} package, which is not installed; install it with: {install_hint(extra)}"
         ) from exc

@@ -50,6 +50,12 @@ transformers = require("transformers", "hf", what="batchpilot.integrations.hf")
 require("accelerate", "hf", what="batchpilot.integrations.hf")
 
 import torch
+
+if tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < (2, 6):
+    raise ImportError(  # transformers 5 disables PyTorch below 2.6 (Trainer becomes a placeholder)
+        f"batchpilot.integrations.hf needs torch >= 2.6 (transformers 5 requires it); this is torch "
+        f"{torch.__version__}. Upgrade torch, or use Pilot, which works with torch >= 2.3."
+    )
 from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher
 from transformers import Trainer
 from transformers.optimization import get_scheduler

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from .._extras import install_hint
+
 __all__ = ["SystemMonitor"]
 
 logger = logging.getLogger("batchpilot")
@@ -43,8 +45,7 @@ class SystemMonitor:
             import psutil
         except ImportError as err:
             raise ImportError(
-                'SystemMonitor needs psutil, which is not installed: pip install "batchpilot[system]" '
-                "(or pip install psutil)."
+                f"SystemMonitor needs psutil, which is not installed: {install_hint('system')} or pip install psutil."
             ) from err
         self._psutil = psutil
         psutil.cpu_percent(None)  # the first call only starts the interval; later calls measure since then
