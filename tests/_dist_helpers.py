@@ -349,3 +349,31 @@ def unused_branch_worker(rank: int, world_size: int, init_file: str, out_dir: st
     moved = not all(torch.equal(a, b) for a, b in zip(make_model().parameters(), model.net.parameters()))
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"unused_same": same, "used_moved": moved}))
     dist.destroy_process_group()
+
+
+def hook_handover_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    """A second probe on the same DDP model (a second train()) takes the communication hook over, and a
+    framework's StepStats hooks a new DDP wrapper of the same module (a second fit())."""
+    from batchpilot.integrations._step_stats import StepStats
+    from batchpilot.measure import GradientNoiseProbe
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    model = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    params = list(model.parameters())
+    first, second = GradientNoiseProbe(params, every=1), GradientNoiseProbe(params, every=1)
+    attached = [first.attach_ddp(ddp), second.attach_ddp(ddp)]
+    data = make_data()
+    x, y = data.tensors[0][rank * 8:(rank + 1) * 8], data.tensors[1][rank * 8:(rank + 1) * 8]
+    for probe in (first, second):
+        probe.begin_step(0)  # a measured step
+    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    read = [first._hook_sq is not None, second._hook_sq is not None]
+    stats = StepStats(params, world_size=world_size, accumulation_steps=1)
+    stats.attach(ddp)
+    again = torch.nn.parallel.DistributedDataParallel(model)  # the next fit's wrapper
+    stats.attach(again)
+    hooked = [getattr(ddp, "_batchpilot_probe", None) is stats.probe,
+              getattr(again, "_batchpilot_probe", None) is stats.probe]
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"attached": attached, "read": read, "hooked": hooked}))
+    dist.destroy_process_group()

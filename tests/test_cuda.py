@@ -64,7 +64,10 @@ def test_pilot_fp16_goodput_with_the_data_on_the_gpu():
     assert last["loss"] < records[0]["loss"]
 
 
-def test_lightning_16_mixed_statistics_on_the_gpu(tmp_path):
+@pytest.mark.parametrize("fused", [False, True])
+def test_lightning_16_mixed_statistics_on_the_gpu(tmp_path, fused):
+    # A fused optimizer unscales inside its step, so Lightning leaves .grad scaled: the statistics must not
+    # read a 65536x norm (the estimate would be negative, so no noise scale).
     L = pytest.importorskip("lightning")
     from batchpilot.controllers import NoiseScale
     from batchpilot.integrations.lightning import AdaptiveBatchSize
@@ -87,6 +90,8 @@ def test_lightning_16_mixed_statistics_on_the_gpu(tmp_path):
             return adaptive.weight(torch.nn.functional.cross_entropy(self.net(x).float(), y))
 
         def configure_optimizers(self):
+            if fused:
+                return torch.optim.Adam(self.parameters(), lr=1e-3, fused=True)
             return torch.optim.SGD(self.parameters(), lr=0.05)
 
     trainer = L.Trainer(max_epochs=2, accumulate_grad_batches=2, accelerator="gpu", devices=1, precision="16-mixed",
@@ -96,6 +101,7 @@ def test_lightning_16_mixed_statistics_on_the_gpu(tmp_path):
     assert trainer.precision_plugin.scaler is not None  # on a GPU Lightning scales fp16 losses
     stats = adaptive.stats.stats
     assert stats["stats/noise_count"] > 0 and math.isfinite(stats["stats/noise_scale"])
+    assert 0 < stats["stats/grad_sq_norm"] < 1e6  # the unscaled |G|^2, not 65536^2 times it
     assert stats["perf/micro_time_b_s"] > 0
 
 

@@ -213,3 +213,10 @@ def test_a_parameter_no_rank_used_gets_no_update_when_the_engine_sums_gradients(
              join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(r["unused_same"] and r["used_moved"] for r in ranks)
+
+
+def test_the_noise_hook_passes_to_a_later_probe_and_to_a_new_ddp_wrapper(tmp_path):
+    mp.spawn(h.hook_handover_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    for r in range(2):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got == {"attached": [True, True], "read": [False, True], "hooked": [True, True]}

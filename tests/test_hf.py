@@ -742,6 +742,47 @@ def test_resume_with_drop_last_or_from_the_final_checkpoint_trains_nothing_extra
         assert all(torch.equal(a, b) for a, b in zip(weights, resumed_weights))
 
 
+def test_sync_each_batch_is_refused_only_where_it_breaks_the_statistics(tmp_path):
+    from batchpilot.integrations._hf_parts import sync_each_batch_problem
+
+    args = quiet_args(tmp_path, accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": True}})
+    assert "sync_each_batch" in sync_each_batch_problem(args, measure=True, world_size=2)
+    assert sync_each_batch_problem(args, measure=False, world_size=2) is None  # no statistics: just slower
+    assert sync_each_batch_problem(args, measure=True, world_size=1) is None  # nothing to all-reduce
+    assert sync_each_batch_problem(quiet_args(tmp_path), measure=True, world_size=2) is None
+
+
+class PackedRows(PointSet):
+    """Items that a collator packs into one row per micro-batch (as a padding-free collator does)."""
+
+
+def packed_collate(samples: list[dict]) -> dict:
+    batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in samples[0]}
+    return {**batch, "x": batch["x"].reshape(1, -1)}  # one row of n samples' features
+
+
+class Unpacking(Recorder):
+    def forward(self, x, labels=None, sample_id=None):
+        return super().forward(x.reshape(-1, 5), labels, sample_id)
+
+
+def test_the_statistics_count_samples_not_rows(tmp_path):
+    # A padding-free collator gives a micro-batch of n samples as one row: the throughput model and the
+    # noise scale must see n samples (the loss weights already use the sample count).
+    from batchpilot.integrations._hf_parts import split_rows
+
+    assert split_rows(packed_collate([PackedRows(6)[i] for i in range(6)]), None)[0][1] == 1  # 1 row, 6 samples
+    trainer = AdaptiveBatchSizeTrainer(
+        model=Unpacking(), train_dataset=PackedRows(48), data_collator=packed_collate, noise_every=1,
+        args=quiet_args(tmp_path, per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=6,
+                        **exact_sgd()),
+    )
+    trainer.train()
+    stats = trainer.batchpilot.stats
+    assert set(stats.meter.throughput._sizes) == {3}  # micro-batches of 3 samples (each one row)
+    assert stats.probe.estimator.count == 6  # every step measured, from two small batches of 3
+
+
 def test_an_own_train_sampler_is_refused(tmp_path):
     class Weighted(AdaptiveBatchSizeTrainer):
         def _get_train_sampler(self, *args, **kwargs):

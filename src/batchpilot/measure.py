@@ -83,28 +83,40 @@ class GradientNoiseProbe:
         the ranks are the small batches for free and no measured step is split.
 
         The hook adds the squared norm of the rank-local gradient increment (the bucket before the
-        reduction) on measured steps, then averages over ranks exactly as DDP's default does. Returns
-        ``False`` (and the probe keeps splitting) if the model already has a communication hook.
+        reduction) on measured steps, then averages over ranks exactly as DDP's default does. DDP allows one
+        hook per model, so the hook reads the model's current probe: a later probe on the same model (a second
+        ``train()`` or ``fit()``) takes the hook over. Returns ``False`` (and the probe keeps splitting) if
+        the model already has another communication hook.
         """
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+        if getattr(ddp_model, "_batchpilot_probe", None) is not None:  # our hook is there: hand it over
+            ddp_model._batchpilot_probe = self
+            self._split = False
+            return True
+
         def hook(state, bucket):  # no annotations: DDP checks them
-            if self.measuring:
-                start = time.perf_counter()
-                prev = self._prev
-                index = [self._index.get(id(p)) for p in bucket.parameters()]
-                increment = [g if prev is None or i is None else g - prev[i] for g, i in zip(bucket.gradients(), index)]
-                sq = sum_of_squares(increment, lazy=True)  # on a GPU a device tensor: no sync inside backward
-                self._hook_sq = sq if self._hook_sq is None else self._hook_sq + sq
-                self.seconds += time.perf_counter() - start
+            ddp_model._batchpilot_probe._read_bucket(bucket)
             return allreduce_hook(state, bucket)
 
         try:
             ddp_model.register_comm_hook(ddp_model.process_group, hook)  # DDP's own group, not always WORLD
         except RuntimeError:  # a hook is registered already: DDP allows one
             return False
+        ddp_model._batchpilot_probe = self
         self._split = False
         return True
+
+    def _read_bucket(self, bucket: Any) -> None:
+        """On a measured step, add the squared norm of this rank's gradient increment in ``bucket``."""
+        if self.measuring:
+            start = time.perf_counter()
+            prev = self._prev
+            index = [self._index.get(id(p)) for p in bucket.parameters()]
+            increment = [g if prev is None or i is None else g - prev[i] for g, i in zip(bucket.gradients(), index)]
+            sq = sum_of_squares(increment, lazy=True)  # on a GPU a device tensor: no sync inside backward
+            self._hook_sq = sq if self._hook_sq is None else self._hook_sq + sq
+            self.seconds += time.perf_counter() - start
 
     def min_accumulation(self, step_index: int) -> int:
         """Micro-batches the loader must plan for ``step_index`` (2 on measured steps, else 1; always 1

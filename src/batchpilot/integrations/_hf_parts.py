@@ -183,6 +183,16 @@ def split_rows(inputs: Any, max_rows: int | None) -> list[tuple[Any, int]]:
     return list(zip(made, sizes))
 
 
+def sync_each_batch_problem(args: Any, measure: bool, world_size: int) -> str | None:
+    """Why the gradient statistics cannot run with accelerate's ``sync_each_batch`` under DDP, or ``None``."""
+    kwargs = getattr(args.accelerator_config, "gradient_accumulation_kwargs", None) or {}
+    if measure and world_size > 1 and kwargs.get("sync_each_batch"):
+        return ("accelerator_config.gradient_accumulation_kwargs={'sync_each_batch': True} all-reduces every "
+                "micro-batch, so the gradient statistics cannot read each rank's micro-batches; leave it off while "
+                "a controller reads them (or noise_every is set).")
+    return None
+
+
 def check_arguments(trainer: Any) -> None:
     """Reject Trainer settings the adaptive loop cannot honour, all at once."""
     args = trainer.args

@@ -63,18 +63,19 @@ class StepStats:
         self.world_size, self.accumulation_steps = world_size, accumulation_steps
         self.probe = GradientNoiseProbe(params, every=every or DEFAULT_NOISE_EVERY)  # never asked to split a step
         self.meter = StepMeter(device=params[0].device if params else None)  # CUDA: micro-batches timed by events
-        self._hooked = False
+        self._hooked_to: Any = None  # the DDP model whose communication hook feeds this probe
         self._step, self._global = 0, 0
         self._started = 0.0
         self._stats: dict[str, float] = {}
 
     def attach(self, wrapped_model: Any) -> None:
-        """Under DDP, read the last micro-batch's local gradient in DDP's all-reduce (once per run)."""
+        """Under DDP, read the last micro-batch's local gradient in DDP's all-reduce (once per DDP model: a new
+        fit's new wrapper is hooked again; one with another communication hook is warned about once)."""
         _, ddp = unwrap(wrapped_model)  # also inside a torch.compile wrapper
-        if self._hooked or self.world_size == 1 or ddp is None:
+        if self.world_size == 1 or ddp is None or ddp is self._hooked_to:
             return
-        self._hooked = self.probe.attach_ddp(ddp)
-        if not self._hooked:
+        self._hooked_to = ddp
+        if not self.probe.attach_ddp(ddp):
             logger.warning("the DDP model already has a communication hook: the last micro-batch of each rank is "
                            "not measured, so the noise scale rests on the other micro-batches (see docs/statistics.md)")
 

@@ -80,6 +80,7 @@ from ._hf_parts import (
     mask_labels,
     read_state,
     split_rows,
+    sync_each_batch_problem,
     write_state,
 )
 from ._hf_run import HFRun, StepRecord
@@ -179,6 +180,9 @@ class AdaptiveBatchSizeTrainer(Trainer):
         self._bp_oom_recovery = oom_recovery
         self._bp_noise_every = noise_every
         self._bp_measure = noise_every is not None or needs_gradient_stats(driver.controller)
+        problem = sync_each_batch_problem(self.args, self._bp_measure, self.data_parallel_size)
+        if problem is not None:
+            raise ValueError(problem)
         # One process, one micro-batch per step: a measured step's micro-batch runs as two passes, the two
         # small batches of the noise scale (as Pilot splits measured steps).
         self._bp_split_measured = self.data_parallel_size == 1 and self.args.gradient_accumulation_steps == 1
@@ -486,7 +490,9 @@ class AdaptiveBatchSizeTrainer(Trainer):
             finally:
                 self._bp_ghost = False
             if stats is not None:
-                own = n if size else 0  # a ghost's borrowed row is not a sample of this rank
+                # Samples, not rows: a padding-free collator packs a micro-batch into one row (rows are samples
+                # only where the micro-batch was split into passes). A ghost's borrowed row is no sample.
+                own = (size if len(pieces) == 1 else n) if size else 0
                 if own:
                     stats.end_micro(own)
                 # Each pass is a small batch of the noise scale. Trainer divided its loss by B / (W n): the .grad

@@ -289,14 +289,17 @@ class AdaptiveBatchSize(Callback):
         self._check_batch_limit(trainer)
         self._validate_at_epoch_end(trainer)
         self._check_fixed_accumulation(trainer)
-        if self._measure and self.stats is None:
+        params = [p for p in pl_module.parameters() if p.requires_grad]
+        if self._measure and (self.stats is None or [id(p) for p in params] != [id(p) for p in self.stats.probe.params]):
+            # Built at the first fit, and again when a later fit trains other parameters (another module): the
+            # estimate carries over, as the controller's state does.
             check_measurable(trainer.world_size, trainer.accumulate_grad_batches,
                              manual=not pl_module.automatic_optimization)
-            params = [p for p in pl_module.parameters() if p.requires_grad]
+            carried = self._stats_state if self.stats is None else self.stats.state_dict()
             self.stats = StepStats(params, world_size=trainer.world_size,
                                    accumulation_steps=trainer.accumulate_grad_batches, every=self.noise_every)
-            if self._stats_state is not None:
-                self.stats.load_state_dict(self._stats_state)
+            if carried is not None:
+                self.stats.load_state_dict(carried)
         if self.stats is not None:
             self.stats.attach(trainer.strategy.model)  # the DDP wrapper, when there is one
 
@@ -394,7 +397,12 @@ class AdaptiveBatchSize(Callback):
         micro = self.micro_batch
         self._inflight = 0 if micro is None else micro.global_size  # LR schedulers step before batch end
         if self.stats is not None and self.stats.measuring:  # reduced over ranks and unscaled, not yet clipped
-            self.stats.reduced(grad_norm(self.stats.probe.params))
+            norm = grad_norm(self.stats.probe.params)
+            scaler = getattr(trainer.precision_plugin, "scaler", None)
+            if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+                # A fused optimizer unscales inside its step, so Lightning left .grad scaled (fp16).
+                norm /= float(scaler.get_scale())
+            self.stats.reduced(norm)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         micro = self.micro_batch
