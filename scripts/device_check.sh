@@ -10,7 +10,8 @@ fi
 python - <<'PY'
 import torch
 if not torch.cuda.is_available():
-    raise SystemExit("device_check: no CUDA device visible; these checks need one.")
+    raise SystemExit(f"device_check: no CUDA device visible to torch {torch.__version__} (a +cpu build sees none); "
+                     "these checks need a CUDA build of torch and a GPU.")
 print(f"device_check: torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
 PY
 exec python -m pytest -q -rs tests/test_cuda.py "tests/test_engine_stats.py::test_micro_timer_on_cuda_counts_the_queued_work_not_the_launches" "$@"
