@@ -254,6 +254,27 @@ def _tiny_mlp(seed: int) -> nn.Module:
     return _seeded_model(seed, lambda: nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
 
 
+# -------------------------------------------------------------------------------------------- CIFAR
+def _cifar_workload(name: str, title: str, classes: int, *, target: float, quick_target: float) -> Workload:
+    """A CIFAR workload: the real set from a local folder, ResNet-8, SGD momentum 0.9 at lr 0.1 per 128
+    samples (linear rule); meant for a GPU, and its targets are first guesses, not calibrated."""
+    return Workload(
+        name=name,
+        description=f"{title} (50k train / 10k test, read from the python batches in $BATCHPILOT_DATA or "
+        "--data-dir, not augmented) with ResNet-8; SGD momentum 0.9, lr 0.025 at batch 32 (0.1 at 128); meant "
+        "for a GPU, target not calibrated",
+        build_data=lambda seed: load_cifar(name),
+        build_model=lambda seed: cifar_resnet(seed, num_classes=classes),
+        base_lr=0.025,
+        target_accuracy=target,
+        quick_target_accuracy=quick_target,
+        budget_s=600.0,
+        quick_budget_s=120.0,
+        in_all=False,
+        smith_every_epochs=2.0,
+    )
+
+
 # ----------------------------------------------------------------------------------------- registry
 WORKLOADS: dict[str, Workload] = {
     w.name: w
@@ -314,36 +335,8 @@ WORKLOADS: dict[str, Workload] = {
             in_all=False,
             smith_every_epochs=0.25,
         ),
-        Workload(
-            name="cifar10",
-            description="CIFAR-10 (50k train / 10k test, read from the python batches in $BATCHPILOT_DATA or "
-            "--data-dir, not augmented) with ResNet-8; SGD momentum 0.9, lr 0.025 at batch 32 (0.1 at 128); "
-            "meant for a GPU, target not calibrated",
-            build_data=lambda seed: load_cifar("cifar10"),
-            build_model=cifar_resnet,
-            base_lr=0.025,
-            target_accuracy=0.75,
-            quick_target_accuracy=0.6,
-            budget_s=600.0,
-            quick_budget_s=120.0,
-            in_all=False,
-            smith_every_epochs=2.0,
-        ),
-        Workload(
-            name="cifar100",
-            description="CIFAR-100 (fine labels; 50k train / 10k test, read from the python batches in "
-            "$BATCHPILOT_DATA or --data-dir, not augmented) with ResNet-8; SGD momentum 0.9, lr 0.025 at "
-            "batch 32; meant for a GPU, target not calibrated",
-            build_data=lambda seed: load_cifar("cifar100"),
-            build_model=lambda seed: cifar_resnet(seed, num_classes=100),
-            base_lr=0.025,
-            target_accuracy=0.40,
-            quick_target_accuracy=0.25,
-            budget_s=600.0,
-            quick_budget_s=120.0,
-            in_all=False,
-            smith_every_epochs=2.0,
-        ),
+        _cifar_workload("cifar10", "CIFAR-10", 10, target=0.75, quick_target=0.6),
+        _cifar_workload("cifar100", "CIFAR-100 (fine labels)", 100, target=0.40, quick_target=0.25),
     )
 }
 
