@@ -149,6 +149,16 @@ def test_micro_timer_on_cuda_counts_the_queued_work_not_the_launches():
     assert MicroTimer.seconds(pending) == pytest.approx(wall, rel=0.3)
 
 
+@pytest.fixture
+def one_thread():
+    # After a sleep torch's idle worker threads take milliseconds to wake, which would land in the next
+    # micro-batch's time: these timing tests run on one thread.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _tiny_pilot(**kw):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
@@ -157,7 +167,7 @@ def _tiny_pilot(**kw):
                                    progress=False, **kw)
 
 
-def test_the_noise_probes_work_is_not_counted_as_the_micro_batchs_time(monkeypatch):
+def test_the_noise_probes_work_is_not_counted_as_the_micro_batchs_time(monkeypatch, one_thread):
     # The probe reads the gradients after each backward; that cost belongs to measuring, not to the
     # micro-batch, or the throughput fit that Goodput reads would carry it at the measured steps' sizes.
     import time
@@ -177,7 +187,7 @@ def test_the_noise_probes_work_is_not_counted_as_the_micro_batchs_time(monkeypat
     assert predicted < 0.01  # a tiny linear model: well under the 20 ms the probe slept per micro-batch
 
 
-def test_starting_a_data_iterator_is_not_counted_as_per_step_overhead(monkeypatch):
+def test_starting_a_data_iterator_is_not_counted_as_per_step_overhead(monkeypatch, one_thread):
     import time
 
     from batchpilot.data.loader import AdaptiveDataLoader
