@@ -320,7 +320,7 @@ def plain_env_worker(rank: int, world_size: int, port: int, out_dir: str) -> Non
     total = torch.tensor([rank + 1.0])
     dist.all_reduce(total)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"init": list(got), "sum": total.item()}))
-    dist.destroy_process_group()
+    finish()
 
 
 def unused_branch_worker(rank: int, world_size: int, init_file: str, out_dir: str, oom_recovery: bool) -> None:
@@ -348,7 +348,8 @@ def unused_branch_worker(rank: int, world_size: int, init_file: str, out_dir: st
     same = all(torch.equal(a, b) for a, b in zip(before, model.unused.parameters()))
     moved = not all(torch.equal(a, b) for a, b in zip(make_model().parameters(), model.net.parameters()))
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"unused_same": same, "used_moved": moved}))
-    dist.destroy_process_group()
+    del pilot, wrapped, model, opt  # a DDP model goes before its process group (see finish)
+    finish()
 
 
 def hook_handover_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
@@ -376,4 +377,5 @@ def hook_handover_worker(rank: int, world_size: int, init_file: str, out_dir: st
     hooked = [getattr(ddp, "_batchpilot_probe", None) is stats.probe,
               getattr(again, "_batchpilot_probe", None) is stats.probe]
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"attached": attached, "read": read, "hooked": hooked}))
-    dist.destroy_process_group()
+    del stats, ddp, again, model
+    finish()
