@@ -169,6 +169,8 @@ def test_observe_step_splits_overhead():
     assert model.overhead == pytest.approx(0.04)
     model.observe_step([8], [0.1], 0.05)  # clock skew: never a negative overhead
     assert model.overhead == 0.0
+    model.observe_step([16], [0.2], None)  # the micro-batch counts, but there is no overhead sample
+    assert model.overhead == 0.0 and 16 in model._sizes
 
 
 @pytest.mark.parametrize(

@@ -293,11 +293,8 @@ class StepMeter:
             self.trend.update(loss)
         if self._micro_sizes:
             seconds = [MicroTimer.seconds(s) for s in self._micro_seconds]
-            if overhead:
-                self.throughput.observe_step(self._micro_sizes, seconds, max(step_seconds, sum(seconds)))
-            else:
-                for size, t in zip(self._micro_sizes, seconds):
-                    self.throughput.observe_micro(size, t)
+            self.throughput.observe_step(self._micro_sizes, seconds,
+                                         max(step_seconds, sum(seconds)) if overhead else None)
         self.discard_step()
         if step % self.refresh_every == 0 or not self._metrics:
             # Refitting the throughput model and the trend costs tens of microseconds: every few steps is

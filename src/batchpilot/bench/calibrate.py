@@ -100,7 +100,8 @@ class Calibration:
         pick does not depend on which policies are run)."""
         rates = {b: r for b, r in self.throughput().items() if max_size is None or b <= max_size}
         if among is not None:
-            rates = {b: r for b, r in rates.items() if b in set(among)} or rates
+            allowed = set(among)
+            rates = {b: r for b, r in rates.items() if b in allowed} or rates
         if not rates:
             raise ValueError(f"no calibrated batch size is <= {max_size}; calibrate smaller sizes.")
         best = max(rates.values())

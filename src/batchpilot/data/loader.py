@@ -334,7 +334,6 @@ class AdaptiveDataLoader:
         if batch_size == self.sampler.batch_size:
             return
         self._check_between_steps("set_batch_size")
-        self._drop_stale_plans()
         self.sampler.set_batch_size(batch_size)  # before the rewind: a restarted worker iterator plans at once
         if self._planned:
             self._rewind()
@@ -364,7 +363,6 @@ class AdaptiveDataLoader:
         """Change the micro-batch bound from the next step on (e.g. after running out of memory)."""
         size = None if size is None else check_batch_size(size, "max_micro_batch_size")
         self._check_between_steps("set_max_micro_batch_size")
-        self._drop_stale_plans()
         self.max_micro_batch_size = size
         if self._planned:
             self._rewind()

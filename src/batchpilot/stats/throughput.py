@@ -113,9 +113,11 @@ class ThroughputModel:
         self._overhead_count += 1
         self._overhead_ema = self.overhead_decay * self._overhead_ema + (1 - self.overhead_decay) * t
 
-    def observe_step(self, micro_batch_sizes: Sequence[int], micro_seconds: Sequence[float], step_seconds: float) -> None:
+    def observe_step(self, micro_batch_sizes: Sequence[int], micro_seconds: Sequence[float],
+                     step_seconds: float | None) -> None:
         """Record a whole step: each micro-batch, and ``step_seconds - sum(micro_seconds)`` (at least 0)
-        as the overhead.
+        as the overhead; ``step_seconds=None``: no overhead sample (a step whose time outside its
+        micro-batches is not representative, one that started a data iterator, say).
 
         Raises:
             ValueError: lengths differ, or an invalid size or time.
@@ -124,10 +126,12 @@ class ThroughputModel:
             raise ValueError(
                 f"{len(micro_batch_sizes)} micro-batch sizes but {len(micro_seconds)} timings; pass one timing per micro-batch."
             )
-        step_seconds = _check_seconds(step_seconds, "step_seconds")
+        if step_seconds is not None:
+            step_seconds = _check_seconds(step_seconds, "step_seconds")
         for m, t in zip(micro_batch_sizes, micro_seconds):
             self.observe_micro(m, t)
-        self.observe_overhead(max(step_seconds - sum(micro_seconds), 0.0))
+        if step_seconds is not None:
+            self.observe_overhead(max(step_seconds - sum(micro_seconds), 0.0))
 
     # ------------------------------------------------------------------ the fit
     def fit(self) -> tuple[float, float] | None:
