@@ -380,10 +380,8 @@ class AdaptiveBatchSizeTrainer(Trainer):
         run = self.batchpilot
         if run is None:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
-        if run.total_samples is not None and (run.samples_seen >= run.total_samples
-                                              or run.loader.epochs_done() >= self.args.num_train_epochs):
+        if self._bp_finished(run):
             # Resumed from the last checkpoint of a finished run: Trainer counts epochs by steps and loops again.
-            # (epochs_done() counts a tail that drop_last will drop: that epoch is over too.)
             self.control.should_epoch_stop = self.control.should_training_stop = True
             return [], None
         micro = []
@@ -393,8 +391,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
                 break
         if not micro:  # the sampler has covered the epoch
             self.control.should_epoch_stop = True
-            # epochs_done() counts a tail that drop_last will drop: that epoch is over too.
-            if run.total_samples is not None and run.loader.epochs_done() >= self.args.num_train_epochs:
+            if self._bp_finished(run):
                 self.control.should_training_stop = True
             return [], None
         if len(micro) != num_batches or not micro[-1].is_last:
@@ -417,6 +414,12 @@ class AdaptiveBatchSizeTrainer(Trainer):
         # Count the items without the ghosts, float labels too (compute_loss multiplies a ghost's loss by 0).
         counted = [mask_labels(d, floats=True) if m.ghost else d for d, m in zip(data, micro)]
         return data, self._get_num_items_in_batch(counted, device)
+
+    def _bp_finished(self, run: HFRun) -> bool:
+        """Training by epochs, all of them are done: every sample counted, or every epoch covered
+        (``epochs_done()`` counts one whose tail ``drop_last`` will drop)."""
+        return run.total_samples is not None and (
+            run.samples_seen >= run.total_samples or run.loader.epochs_done() >= self.args.num_train_epochs)
 
     def _bp_active(self) -> tuple[HFRun, StepRecord]:
         """The run and its step in flight, inside a training step that batchpilot planned."""
