@@ -1,0 +1,204 @@
+"""When is a larger batch (with its linearly scaled LR) stable? The loss sharpness as the signal (a benchmark,
+not a test, and an experiment, not a controller).
+
+``benchmarks/hindsight.py`` found that on mnist1d one doubling of the tuned static batch (512 -> 1024, the LR
+following the linear rule 0.16 -> 0.32) beats the static if it comes after ~4 epochs, and breaks half the
+runs after 2. This script measures the quantity that decides it: the largest eigenvalue ``lambda_max`` of
+the training loss's Hessian (the sharpness), by power iteration on Hessian-vector products. Gradient
+descent with heavy-ball momentum ``beta`` on a quadratic is stable only while ``lr * lambda_max < 2 (1 +
+beta)`` (3.8 at 0.9); Cohen et al. 2021 ("Gradient Descent on Neural Networks Typically Occurs at the Edge
+of Stability") show that training drives the sharpness up to that bound. Doubling the batch doubles the
+LR under the linear rule, so it is safe only once ``2 lr lambda_max`` is well below the bound.
+
+Two modes, both on an SGD workload's own data, model and optimizer (``--workload mnist1d`` or ``digits``):
+
+* ``--mode trace``: the recipe's static batch (``--batch`` at ``--lr``), ``lambda_max`` and
+  ``lr * lambda_max`` every ``--every`` epochs, for ``--epochs`` epochs.
+* ``--mode gate``: per seed, the static recipe against *gated growth*: start at the recipe, and at every
+  check (every ``--every`` epochs) double the batch and the LR if ``2 lr lambda_max < --margin x 2 (1 +
+  beta)``, up to ``--max-batch`` (no checks once there). Time to ``--target`` (evaluated every 0.25 epoch,
+  evaluation excluded); the probe's seconds are reported apart (``probe_s``) and counted in ``total_s``.
+  Too few power iterations approach ``lambda_max`` from below (a Rayleigh quotient never exceeds it): that
+  errs towards growing.
+
+Power iteration: ``--probe-samples`` random training samples per check, 3 x ``--iters`` iterations at the
+first check, ``--iters`` warm-started from the last eigenvector afterwards. Output: ``sharpness.json``.
+
+    PYTHONPATH=src python benchmarks/sharpness.py --mode trace --seeds 0,1,2 --epochs 6
+    PYTHONPATH=src python benchmarks/sharpness.py --mode gate --seeds 0,1,2,3,4 --max-batch 1024 \
+        --probe-samples 256 --iters 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from batchpilot.bench.train import evaluate
+from batchpilot.bench.workloads import get_workload
+
+
+def top_eigenvalue(model: torch.nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor,
+                   vector: list[torch.Tensor] | None, iters: int) -> tuple[float, list[torch.Tensor]]:
+    """``lambda_max`` of the Hessian of ``loss_fn(model(x), y)`` by power iteration on Hessian-vector products
+    (double backward); returns it and the last (unit) iterate, to warm-start the next call."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss_fn(model(x), y), params, create_graph=True)
+    v = vector if vector is not None else [torch.randn_like(p) for p in params]
+    norm = math.sqrt(sum(float((t * t).sum()) for t in v))
+    v = [t / norm for t in v]
+    value = 0.0
+    for _ in range(iters):
+        hv = torch.autograd.grad(grads, params, v, retain_graph=True)
+        value = sum(float((a * b).sum()) for a, b in zip(hv, v))  # Rayleigh quotient v'Hv, |v| = 1
+        norm = math.sqrt(sum(float((t * t).sum()) for t in hv))
+        if norm == 0.0:
+            break
+        v = [t / norm for t in hv]
+    return value, [t.detach() for t in v]
+
+
+def momentum_of(optimizer: torch.optim.Optimizer) -> float:
+    """SGD's heavy-ball momentum (the stability bound is ``2 (1 + beta) / lr``); other optimizers refused."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        raise SystemExit(f"the sharpness bound 2(1+beta)/lr holds for SGD; this workload trains with "
+                         f"{type(optimizer).__name__}. Use --workload mnist1d or digits.")
+    return float(optimizer.param_groups[0].get("momentum", 0.0))
+
+
+class _Run:
+    """One training run of the recipe, optionally with gated growth."""
+
+    def __init__(self, args: argparse.Namespace, seed: int, gated: bool) -> None:
+        self.wl = get_workload(args.workload)
+        self.train, self.test = self.wl.build_data(self.wl.data_seed)
+        self.x, self.y = self.train.tensors
+        self.n = len(self.y)
+        self.model = self.wl.build_model(seed)
+        self.optimizer = self.wl.make_optimizer(self.model.parameters(), args.lr)
+        self.bound = 2 * (1 + momentum_of(self.optimizer))
+        self.args, self.seed, self.gated = args, seed, gated
+        self.batch, self.lr = args.batch, args.lr
+        self.order = torch.Generator().manual_seed(seed)
+        self.probe_rng = torch.Generator().manual_seed(seed + 1000)
+        self.vector: list[torch.Tensor] | None = None
+        self.samples, self.train_s, self.probe_s = 0, 0.0, 0.0
+        self.checks: list[dict[str, Any]] = []
+
+    def probe(self) -> float:
+        start = time.perf_counter()
+        idx = torch.randint(0, self.n, (self.args.probe_samples,), generator=self.probe_rng)
+        iters = self.args.iters if self.vector is not None else 3 * self.args.iters
+        value, self.vector = top_eigenvalue(self.model, self.wl.loss_fn, self.x[idx], self.y[idx], self.vector, iters)
+        self.probe_s += time.perf_counter() - start
+        return value
+
+    def check(self) -> None:
+        """A scheduled check: record the sharpness, and (gated) double the batch if the doubled LR is stable."""
+        sharpness = self.probe()
+        grow = self.gated and 2 * self.lr * sharpness < self.args.margin * self.bound
+        self.checks.append({"epoch": round(self.samples / self.n, 3), "batch": self.batch, "lr": self.lr,
+                            "lambda_max": sharpness, "lr_x_lambda": self.lr * sharpness, "grew": grow})
+        if grow:
+            self.batch, self.lr = 2 * self.batch, 2 * self.lr
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr
+
+    def run(self, until_epochs: float | None) -> dict[str, Any]:
+        args = self.args
+        next_eval, next_check = 0.25, (0.0 if until_epochs is not None else args.every)
+        while True:
+            perm, pos = torch.randperm(self.n, generator=self.order), 0
+            while pos < self.n:
+                epoch = self.samples / self.n
+                growing = self.gated and self.batch < args.max_batch  # no probe once at the largest batch
+                if (until_epochs is not None or growing) and epoch >= next_check:
+                    self.check()
+                    next_check += args.every
+                if until_epochs is not None and epoch >= until_epochs:
+                    return self.result(None)
+                start = time.perf_counter()
+                idx = perm[pos : pos + self.batch]
+                pos, self.samples = pos + len(idx), self.samples + len(idx)
+                loss = self.wl.loss_fn(self.model(self.x[idx]), self.y[idx])
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                self.optimizer.step()
+                self.train_s += time.perf_counter() - start
+                if not math.isfinite(loss.item()):
+                    return self.result("diverged")
+                if until_epochs is None and self.samples >= next_eval * self.n:
+                    next_eval += 0.25
+                    if evaluate(self.model, self.test) >= args.target:
+                        return self.result("reached")
+                    if self.train_s + self.probe_s >= args.budget_s:
+                        return self.result("budget")
+
+    def result(self, outcome: str | None) -> dict[str, Any]:
+        return {"seed": self.seed, "variant": "gated" if self.gated else "static", "outcome": outcome,
+                "epochs": self.samples / self.n, "train_s": self.train_s, "probe_s": self.probe_s,
+                "total_s": self.train_s + self.probe_s, "final_batch": self.batch, "checks": self.checks}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=("trace", "gate"), default="trace")
+    p.add_argument("--workload", default="mnist1d")
+    p.add_argument("--batch", type=int, default=512, help="the recipe's batch size")
+    p.add_argument("--lr", type=float, default=0.16, help="the recipe's LR at --batch")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--epochs", type=float, default=6.0, help="trace: epochs to follow")
+    p.add_argument("--every", type=float, default=0.5, help="epochs between sharpness checks")
+    p.add_argument("--probe-samples", type=int, default=4096, help="training samples per sharpness check")
+    p.add_argument("--iters", type=int, default=8, help="power iterations per check (3x at the first)")
+    p.add_argument("--margin", type=float, default=0.7, help="gate: grow while 2 lr lambda < margin x 2(1+beta)")
+    p.add_argument("--max-batch", type=int, default=1024, help="gate: largest batch to grow to")
+    p.add_argument("--target", type=float, default=None, help="gate: test accuracy (default: the workload's)")
+    p.add_argument("--budget-s", type=float, default=40.0, help="gate: most seconds per run (probe included)")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--out", default="bench-out/sharpness", help="folder for sharpness.json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.target is None:
+        args.target = get_workload(args.workload).target_accuracy
+    seeds = [int(s) for s in args.seeds.split(",")]
+    runs = []
+    for seed in seeds:
+        variants = (False,) if args.mode == "trace" else (False, True)
+        for gated in variants:  # interleaved seed by seed
+            torch.manual_seed(seed)
+            run = _Run(args, seed, gated).run(args.epochs if args.mode == "trace" else None)
+            runs.append(run)
+            if args.mode == "trace":
+                for c in run["checks"]:
+                    print(f"seed {seed}  epoch {c['epoch']:5.2f}  lambda_max {c['lambda_max']:7.2f}  "
+                          f"lr x lambda {c['lr_x_lambda']:5.2f}", flush=True)
+            else:
+                grew = ", ".join(f"{c['batch'] * 2} at epoch {c['epoch']:g}" for c in run["checks"] if c["grew"])
+                print(f"seed {seed} {run['variant']:6s} {run['outcome']:8s} {run['total_s']:6.2f} s "
+                      f"(probe {run['probe_s']:.2f} s) {run['epochs']:5.2f} epochs  grew: {grew or '-'}", flush=True)
+    medians = {}
+    if args.mode == "gate":
+        for variant in ("static", "gated"):
+            done = [r for r in runs if r["variant"] == variant and r["outcome"] == "reached"]
+            medians[variant] = {"reached": len(done), "runs": len(seeds),
+                                "median_total_s": statistics.median(r["total_s"] for r in done) if done else None}
+        print(json.dumps(medians))
+    result = {"config": vars(args), "runs": runs, "medians": medians}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sharpness.json").write_text(json.dumps(result, indent=1))
+    print(f"wrote {out / 'sharpness.json'}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""benchmarks/sharpness.py: the power iteration against a closed form, its refusal of Adam, and a run on a tiny
+budget (no speed asserted)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("sharpness_benchmark", REPO / "benchmarks" / "sharpness.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_power_iteration_finds_the_top_eigenvalue_of_a_least_squares_hessian(bench):
+    torch.manual_seed(0)
+    x = torch.randn(64, 5) * torch.tensor([3.0, 1.0, 1.0, 0.5, 0.2])
+    y = torch.randn(64, 1)
+    model = torch.nn.Linear(5, 1, bias=False)
+    expected = float(torch.linalg.eigvalsh(2 * x.T @ x / 64).max())  # mean squared error: H = 2 X'X / n
+    value, vector = bench.top_eigenvalue(model, torch.nn.functional.mse_loss, x, y, None, iters=200)
+    assert value == pytest.approx(expected, rel=1e-4)
+    again, _ = bench.top_eigenvalue(model, torch.nn.functional.mse_loss, x, y, vector, iters=1)  # warm start
+    assert again == pytest.approx(expected, rel=1e-4)
+
+
+def test_the_stability_bound_is_refused_for_adam(bench):
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    assert bench.momentum_of(torch.optim.SGD(params, lr=0.1, momentum=0.9)) == 0.9
+    with pytest.raises(SystemExit, match="Adam"):
+        bench.momentum_of(torch.optim.Adam(params))
+
+
+def test_gated_growth_runs_on_a_tiny_budget_and_grows_only_under_the_bound(bench, tmp_path):
+    out = tmp_path / "out"
+    result = bench.main(["--mode", "gate", "--workload", "digits", "--batch", "64", "--lr", "0.02", "--seeds", "0",
+                         "--every", "0.25", "--probe-samples", "64", "--iters", "2", "--max-batch", "256",
+                         "--budget-s", "3", "--threads", "1", "--out", str(out)])
+    assert json.loads((out / "sharpness.json").read_text())["medians"] == result["medians"]
+    static, gated = result["runs"]
+    assert (static["variant"], gated["variant"]) == ("static", "gated")
+    assert static["checks"] == [] and static["probe_s"] == 0.0
+    assert gated["checks"] and gated["probe_s"] > 0
+    bound = 2 * (1 + 0.9)
+    batch, lr = 64, 0.02
+    for check in gated["checks"]:  # each decision follows the rule, from the size and LR of its time
+        assert (check["batch"], check["lr"]) == (batch, pytest.approx(lr))
+        assert check["lr_x_lambda"] == pytest.approx(lr * check["lambda_max"])
+        assert batch < 256 and check["grew"] == (2 * lr * check["lambda_max"] < 0.7 * bound)
+        if check["grew"]:
+            batch, lr = 2 * batch, 2 * lr
+    assert gated["final_batch"] == batch
