@@ -280,6 +280,22 @@ def test_noise_scale_rounds_after_the_step_limit():
     assert decide(33, 1.0, round_to=None, allow_shrink=True, min_size=1) == 22  # 33 / 1.5 = 22 exactly
     assert decide(34, 1.0, round_to=None, allow_shrink=True, min_size=1) == 23  # 34 / 1.5 = 22.7: at most /1.5, so 23
     assert NoiseScale(10.0, smoothing=0.0, max_change=None, min_measurements=0).decide(obs(50, 256, ns(1e308))) == 4096  # 1e309 = inf: still 4096
+
+
+def test_noise_scale_with_a_limit_inside_half_a_grid_step_still_moves_one_grid_point():
+    # x1.25 from 64 is 80, whose nearest power of two is 64 itself: no grid point moves within the limit, so
+    # the decision goes one grid point past it (it used to stay at 64 forever, whatever the noise scale).
+    def decide(current, noise, max_change=1.25, **kw):
+        return NoiseScale(smoothing=0.0, max_change=max_change, min_measurements=0, **kw).decide(
+            obs(50, current, ns(noise)))
+
+    assert decide(64, 4000.0, round_to="pow2") == 128
+    assert decide(1024, 40.0, round_to="pow2", allow_shrink=True) == 512
+    assert decide(64, 4000.0, round_to=32, max_change=1.1) == 96
+    assert decide(100, 4000.0, round_to=32, max_change=1.1) == 128  # off the grid: the first point above
+    assert decide(100, 1.0, round_to=32, max_change=1.1, allow_shrink=True) == 96  # 96 is within the limit
+    assert decide(4096, 1e6, round_to="pow2") == 4096  # at max_size: nowhere to go
+    assert decide(80, 80.0, round_to="pow2") == 80  # within the hysteresis band: no decision to move
     assert NoiseScale(smoothing=0.0, max_change=None, min_measurements=0).decide(obs(50, 8000, ns(100.0))) == 4096  # current above max: clamped
 
 

@@ -1010,6 +1010,47 @@ def test_a_half_written_checkpoint_of_a_killed_writer_is_removed(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000002.pt"]
 
 
+def test_the_noise_statistics_follow_parameters_unfrozen_after_the_pilot_was_built():
+    # The small batches' norms and the step's norm must cover the same parameters: with the body frozen when
+    # the Pilot is built and unfrozen before the loop, the statistics are those of a run never frozen (they
+    # used to mix a head-only small norm with a whole-model big norm: tr(Sigma) < 0, B_simple 0).
+    def run(freeze_first):
+        ds, model = make_problem()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        if freeze_first:
+            model[0].requires_grad_(False)
+        pilot = batchpilot.Pilot(model, optimizer, ds, batch_size=16, noise_every=1, progress=False)
+        model[0].requires_grad_(True)
+        records = []
+        pilot.add_callback(lambda p, record: records.append(record))
+        for x, y in pilot.batches(max_steps=6):
+            pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+        return [{k: v for k, v in r.items() if k.startswith("stats/")} for r in records]
+
+    unfrozen, never_frozen = run(True), run(False)
+    assert unfrozen[-1]["stats/trace_cov"] > 0 and unfrozen[-1]["stats/noise_scale"] > 0
+    assert unfrozen == never_frozen
+
+
+def test_a_tensor_lr_is_logged_as_a_number_and_adascale_does_not_compound_it():
+    # The step record read the param group's LR tensor itself: under AdaScale "lr *= gain" multiplied the
+    # optimizer's LR in place every step, and under any rule the record held a tensor changed afterwards.
+    for rule, base in (("adascale", 16), ("linear", 16)):
+        ds, model = make_problem()
+        lr = torch.tensor(0.01, dtype=torch.float64)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        pilot = batchpilot.Pilot(model, optimizer, ds, batch_size=64, base_batch_size=base, lr_rule=rule,
+                                 progress=False)
+        logged = []
+        pilot.add_callback(lambda p, record: logged.append(record["lr"]))
+        for x, y in pilot.batches(max_steps=8):
+            pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+        assert optimizer.param_groups[0]["lr"] is lr and float(lr) == pytest.approx(0.01, rel=1e-12), rule
+        assert all(type(v) is float for v in logged), rule
+        if rule == "linear":
+            assert logged == pytest.approx([0.04, 0.02] * 4)  # the LR the steps ran with (64 or the 32 left, / 16)
+
+
 def test_parameters_unfrozen_during_training_are_measured_from_then_on():
     # Progressive unfreezing: the body is frozen when the Pilot is built and unfrozen (and given to the
     # optimizer) by a callback after step 4. Each step's grad/norm must cover every gradient the optimizer

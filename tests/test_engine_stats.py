@@ -226,3 +226,34 @@ def test_the_progress_total_is_the_nearest_bound(monkeypatch):
     for x, y in pilot.batches(epochs=3, max_samples=64):
         pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
     assert totals == [64]  # not 3 x 512
+
+
+def test_framework_step_stats_measure_the_parameters_trainable_at_each_measured_step():
+    # The HF trainer and the Lightning callback build StepStats with the parameters trainable at the start and
+    # read them again (params_of) at each measured step: a layer unfrozen by a callback is then in the small
+    # batches' norms as in the step's norm, and the statistics equal those of a run that trained it throughout.
+    from batchpilot.clipping import grad_norm
+    from batchpilot.integrations._step_stats import StepStats
+
+    def run(frozen_at_build):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+        first = [model.weight] if frozen_at_build else list(model.parameters())
+        stats = StepStats(first, world_size=1, accumulation_steps=2, every=1,
+                          params_of=lambda: [p for p in model.parameters() if p.requires_grad])
+        out = {}
+        for step in range(3):  # every step measured (every=1): two micro-batches of 8
+            stats.begin_step(step, 16)
+            for j in range(2):
+                rows = slice(16 * step + 8 * j, 16 * step + 8 * j + 8)
+                loss = torch.nn.functional.cross_entropy(model(x[rows]), y[rows]) * 0.5
+                loss.backward()
+                stats.after_micro(8, last=j == 1, to_mean=0.5)
+            stats.reduced(grad_norm(model.parameters()))
+            out = stats.end_step(step, 1.0)
+            model.zero_grad()
+        return {k: v for k, v in out.items() if k.startswith("stats/")}
+
+    measured, reference = run(True), run(False)
+    assert "stats/trace_cov" in measured and measured == pytest.approx(reference, rel=1e-12)

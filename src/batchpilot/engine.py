@@ -231,6 +231,7 @@ class Pilot:
         # also those the optimizer does not hold (yet: add_param_group later), whose .grad would else grow
         # from step to step. Re-read when a loop starts and after callbacks (progressive unfreezing).
         self._all_params = list(model.parameters())
+        self._noise: GradientNoiseProbe | None = None  # built below; it measures the list re-read here
         self._refresh_params()
         if not self._params:
             raise ValueError("the model has no parameter with requires_grad=True: there is nothing to train.")
@@ -469,6 +470,8 @@ class Pilot:
         self._params = [p for p in self._all_params if p.requires_grad]
         held = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
         self._unheld = [p for p in self._params if id(p) not in held]
+        if self._noise is not None:  # its small batches must cover the parameters of the step's norm
+            self._noise.set_params(self._params)
 
     def _rescale_lr(self) -> None:
         """Put in the LR factor of the next step's real size (in place of any factor in now)."""
@@ -685,7 +688,7 @@ class Pilot:
         if self._noise is not None:
             stats = self._noise.end_step(size, norm * norm, bpdist.all_reduce_sum if self.world_size > 1 else None)
         finite = math.isfinite(loss) and (math.isfinite(norm) or not self.skip_nonfinite)
-        lr = self.optimizer.param_groups[0]["lr"]
+        lr = float(self.optimizer.param_groups[0]["lr"])  # a tensor LR would be the optimizer's own, changed later
         skipped = False
         # With a GradScaler, a non-finite gradient is the scaler's to skip (and lowers its scale); a non-finite
         # loss over finite gradients is skipped here, closing the scaler's iteration (unscale_ was called).

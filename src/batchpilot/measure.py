@@ -78,6 +78,15 @@ class GradientNoiseProbe:
         self._hook_sq: float | torch.Tensor | None = None
         self.seconds = 0.0  # time spent measuring, for the overhead report
 
+    def set_params(self, params: list[torch.nn.Parameter]) -> None:
+        """Measure ``params`` from the next step on (call between steps, when the trainable set changed: the
+        small batches' norms must cover the same parameters as the step's norm). The estimates carry over."""
+        if len(params) == len(self.params) and all(a is b for a, b in zip(params, self.params)):
+            return
+        self.params = params
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._prev = None
+
     def attach_ddp(self, ddp_model: Any) -> bool:
         """Read each rank's gradient inside DDP's own all-reduce (a communication hook), so that under DDP
         the ranks are the small batches for free and no measured step is split.

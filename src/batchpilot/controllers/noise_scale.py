@@ -160,6 +160,9 @@ class NoiseScale:
                 inner = self._round_and_clamp(max(limited, 1.0), toward_current=grow)
                 if (inner > size if grow else inner < size):
                     new = inner
+            capped = target > hi if grow else target < lo
+            if capped and self.round_to is not None and not (new > size if grow else new < size):
+                new = self._next_grid_point(size, grow)  # no grid point moves within the limit: one past it
         else:
             new = self._round_and_clamp(max(limited, 1.0))
         moved = new > size if grow else new < size
@@ -176,6 +179,17 @@ class NoiseScale:
             keep = self.smoothing ** (step - self._last_step)
             self._log_ema = keep * self._log_ema + (1.0 - keep) * log_noise
             self._last_step = step
+
+    def _next_grid_point(self, size: int, grow: bool) -> int:
+        """The first ``round_to`` grid point strictly above (``grow``) or below ``size``, within the bounds."""
+        if self.round_to == "pow2":
+            exponent = math.log2(size)
+            point = 2 ** (math.floor(exponent) + 1 if grow else math.ceil(exponent) - 1)
+        else:
+            quantum = int(self.round_to)  # type: ignore[arg-type]
+            point = quantum * (size // quantum + 1 if grow else -(-size // quantum) - 1)
+            point = max(quantum, point)
+        return clamp(point, self.min_size, self.max_size)
 
     def _round_and_clamp(self, target: float, toward_current: bool | None = None) -> int:
         """``target`` on the ``round_to`` grid and within the bounds: the nearest grid point, or with

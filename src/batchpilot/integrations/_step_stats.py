@@ -51,17 +51,21 @@ class StepStats:
         every: Measure the noise scale on every ``every``-th step (``None``: ``DEFAULT_NOISE_EVERY``).
         splits_measured_steps: The loop runs a measured step's only micro-batch as two passes (the HF trainer
             on one process with ``gradient_accumulation_steps=1``), so one micro-batch per step is fine.
+        params_of: Returns the trainable parameters now; read at each measured step's start, so that a
+            parameter unfrozen during training is measured in the small batches as in the step's norm.
 
     Raises:
         ValueError: one process with one micro-batch per step (no small batch to compare with).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], *, world_size: int, accumulation_steps: int,
-                 every: int | None = None, splits_measured_steps: bool = False) -> None:
+                 every: int | None = None, splits_measured_steps: bool = False,
+                 params_of: Callable[[], list[torch.nn.Parameter]] | None = None) -> None:
         if not splits_measured_steps:
             check_measurable(world_size, accumulation_steps)
         self.world_size, self.accumulation_steps = world_size, accumulation_steps
         self.probe = GradientNoiseProbe(params, every=every or DEFAULT_NOISE_EVERY)  # never asked to split a step
+        self._params_of = params_of
         self.meter = StepMeter(device=params[0].device if params else None)  # CUDA: micro-batches timed by events
         self._hooked_to: Any = None  # the DDP model whose communication hook feeds this probe
         self._step, self._global = 0, 0
@@ -83,6 +87,8 @@ class StepStats:
         """Step ``step`` (counting from 0) of ``global_size`` samples starts."""
         self._step, self._global = step, global_size
         self._started = time.perf_counter()
+        if self._params_of is not None and step % self.probe.every == 0:
+            self.probe.set_params(self._params_of())
         self.probe.begin_step(step)
 
     def restart_step(self) -> None:

@@ -297,7 +297,8 @@ class AdaptiveBatchSize(Callback):
                              manual=not pl_module.automatic_optimization)
             carried = self._stats_state if self.stats is None else self.stats.state_dict()
             self.stats = StepStats(params, world_size=trainer.world_size,
-                                   accumulation_steps=trainer.accumulate_grad_batches, every=self.noise_every)
+                                   accumulation_steps=trainer.accumulate_grad_batches, every=self.noise_every,
+                                   params_of=lambda: [p for p in pl_module.parameters() if p.requires_grad])
             if carried is not None:
                 self.stats.load_state_dict(carried)
         if self.stats is not None:
