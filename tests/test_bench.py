@@ -516,3 +516,20 @@ def test_critical_batch_says_why_there_is_no_fit():
     two = critical_batch(_epochs_summary({"static:64": 5.0, "static:128": 6.0}), [])
     assert two["b_crit"] is None and "needs 3" in two["note"]
     assert critical_batch({}, [])["points"] == []
+
+
+@pytest.mark.parametrize("case", ["out_is_a_file", "log_is_a_folder"])
+def test_report_on_a_path_it_cannot_use_exits_2(tmp_path, capsys, case):
+    log = tmp_path / "run.jsonl"
+    _write_log(log)
+    out = tmp_path / "o"
+    if case == "out_is_a_file":
+        out.write_text("a file, not a folder")
+    else:
+        log = tmp_path / "a_folder.json"  # a results.json path that is a folder
+        log.mkdir()
+    with pytest.raises(SystemExit) as info:
+        main(["report", str(log), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert ("File exists" in err and str(out) in err) if case == "out_is_a_file" else "Is a directory" in err

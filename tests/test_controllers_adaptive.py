@@ -394,6 +394,7 @@ def test_goodput_missing_inputs_keep_and_retry():
     zero = {"stats/noise_scale": 100.0, "perf/micro_time_a_s": -1.0, "perf/micro_time_b_s": 0.0}
     assert ctrl.decide(obs(12, 400, zero)) == 400
     assert "zero step time" in ctrl.reason and ctrl.last_table == {}
+    assert "perf/micro_time_a_s=-1.0" in ctrl.reason  # the measured values, not the clamped ones
     assert ctrl.decide(goodput_obs(13, 400)) == 100  # period 1 was never used up
     assert ctrl.decide(goodput_obs(19, 400)) == 400  # now it is
 

@@ -139,3 +139,10 @@ def test_schedule_output_goes_through_the_boundary():
     grow = Schedule(functools.partial(linear_increase_scheduler, interval=1, max_size=10_000, increment=500))
     size, note = validate_decision(grow.decide(obs), current=8, max_size=256, source=grow.name)
     assert (size, note) == (256, "clamped 508 down to max_size=256")
+
+
+def test_validate_decision_refuses_impossible_arguments():
+    with pytest.raises(ValueError, match="min_size=100 is above max_size=50"):
+        validate_decision(70, current=64, min_size=100, max_size=50)
+    with pytest.raises(ValueError, match="on_invalid must be 'raise' or 'keep'; got 'raises'"):
+        validate_decision(0, current=64, on_invalid="raises")

@@ -1042,7 +1042,7 @@ def test_a_tensor_lr_is_logged_as_a_number_and_adascale_does_not_compound_it():
         pilot = batchpilot.Pilot(model, optimizer, ds, batch_size=64, base_batch_size=base, lr_rule=rule,
                                  progress=False)
         logged = []
-        pilot.add_callback(lambda p, record: logged.append(record["lr"]))
+        pilot.add_callback(lambda p, record, logged=logged: logged.append(record["lr"]))
         for x, y in pilot.batches(max_steps=8):
             pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
         assert optimizer.param_groups[0]["lr"] is lr and float(lr) == pytest.approx(0.01, rel=1e-12), rule
@@ -1076,3 +1076,9 @@ def test_parameters_unfrozen_during_training_are_measured_from_then_on():
         pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
     assert recorded == pytest.approx(norms, rel=1e-12)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_unknown_lr_rule_names_every_rule_pilot_accepts():
+    ds, model = make_problem()
+    with pytest.raises(ValueError, match="unknown lr_rule 'adaScale'; use one of 'none', .*'adascale' or a callable"):
+        batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), ds, batch_size=8, lr_rule="adaScale")

@@ -202,3 +202,9 @@ def test_a_value_error_inside_torch_func_names_the_fallback_too():
     x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
     with pytest.raises(PerSampleGradError, match="micro_batch_grad_variance"):
         per_sample_grad_variance(CallsBatchNorm(), torch.nn.functional.cross_entropy, x, y)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -5.0, float("inf")])
+def test_micro_batch_squared_norms_must_be_finite_and_non_negative(bad):
+    with pytest.raises(ValueError, match=r"micro\[0\] must be a finite squared norm >= 0"):
+        micro_batch_grad_variance([bad, 1.0], [4, 4], 0.5)

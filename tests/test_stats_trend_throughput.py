@@ -211,3 +211,18 @@ def test_throughput_state_roundtrip():
 
     assert_state_roundtrip(lambda: ThroughputModel(max_sizes=4), advance, observe, steps=(0, 1, 4, 12),
                            advance_before_load=3)
+
+
+def test_evicting_a_size_refits_and_a_bad_state_is_refused():
+    model = ThroughputModel(max_sizes=2)
+    for m, t in ((8, 1.0), (8, 1.0), (16, 1.5), (16, 1.5)):
+        model.observe_micro(m, t)
+    assert model.fit() == pytest.approx((0.5, 0.0625))
+    model.observe_micro(32, 9.0)  # evicts 8 (observed least recently); 32 is still in its warm-up
+    restored = ThroughputModel(max_sizes=2)
+    restored.load_state_dict(model.state_dict())
+    assert model.fit() == restored.fit()  # the fit no longer rests on the evicted size
+    for key, value in (("overhead_decay", 1.0), ("forget", 1.5), ("max_sizes", 1), ("warmup", -1)):
+        state = {**model.state_dict(), key: value}
+        with pytest.raises(ValueError, match=key):
+            ThroughputModel().load_state_dict(state)

@@ -227,8 +227,11 @@ def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                  f"{exc}); pass one written by `batchpilot bench`.") from exc
         else:
             written = plot_log(path, out, x=args.x)
-    except (FileNotFoundError, ValueError, ImportError) as exc:
+    except (ValueError, ImportError) as exc:
         parser.exit(2, f"batchpilot report: error: {exc}\n")
+    except OSError as exc:  # a missing or unreadable file, an --out that is a file, ...
+        text = str(exc) if exc.strerror is None else f"{exc.strerror}: {exc.filename or path}"
+        parser.exit(2, f"batchpilot report: error: {text}\n")
     for p in written:
         print(p)
     return 0

@@ -94,7 +94,12 @@ def validate_decision(
 
     Raises:
         InvalidDecisionError: ``value`` is invalid and ``on_invalid == "raise"``.
+        ValueError: ``on_invalid`` is neither ``"raise"`` nor ``"keep"``, or ``min_size > max_size``.
     """
+    if on_invalid not in ("raise", "keep"):
+        raise ValueError(f"on_invalid must be 'raise' or 'keep'; got {on_invalid!r}.")
+    if min_size is not None and max_size is not None and min_size > max_size:
+        raise ValueError(f"min_size={min_size} is above max_size={max_size}; pass min_size <= max_size.")
     problem = _problem(value)
     if problem is not None:
         message = (

@@ -197,9 +197,9 @@ class Goodput:
         overhead = read_stat(obs, OVERHEAD_KEY)
         max_micro = read_stat(obs, MAX_MICRO_KEY)
         world = read_stat(obs, WORLD_KEY)
+        if max(a, 0.0) == 0.0 and max(b, 0.0) == 0.0 and max(overhead or 0.0, 0.0) == 0.0:
+            return f"throughput model predicts zero step time ({A_KEY}={a}, {B_KEY}={b}, {OVERHEAD_KEY}={overhead})"
         a, b, overhead = max(a, 0.0), max(b, 0.0), max(overhead or 0.0, 0.0)
-        if a == 0.0 and b == 0.0 and overhead == 0.0:
-            return f"throughput model predicts zero step time ({A_KEY}={a}, {B_KEY}={b})"
         micro = None if max_micro is None or max_micro < 1 else int(max_micro)
         world_size = 1 if world is None or world < 1 else int(world)
         accum = read_stat(obs, ACCUM_KEY)

@@ -22,13 +22,14 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from .._wrappers import unwrap
+from .noise_scale import _check_sq_norm
 
 __all__ = ["PerSampleGradError", "micro_batch_grad_variance", "per_sample_grad_variance"]
 
@@ -190,8 +191,8 @@ def micro_batch_grad_variance(
                 f"with squared norms as `micro`, sq_norm_mean (|g|^2 of the whole batch) must be a finite number >= 0; "
                 f"got {sq_norm_mean!r}."
             )
-        squares = cast(Sequence[float], micro)
-        spread = sum(int(sizes[j]) * float(squares[j]) for j in keep) - total * float(sq_norm_mean)
+        squares = [_check_sq_norm(micro[j], f"micro[{j}]") for j in keep]
+        spread = sum(int(sizes[j]) * sq for j, sq in zip(keep, squares)) - total * float(sq_norm_mean)
         spread = max(spread, 0.0)
     else:
         if sq_norm_mean is not None:

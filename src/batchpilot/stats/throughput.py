@@ -45,6 +45,20 @@ def _check_int(value: Any, name: str) -> int:
     return int(value)
 
 
+def _check_settings(forget: Any, warmup: Any, overhead_decay: Any, max_sizes: Any) -> None:
+    problems = []
+    if not (isinstance(forget, numbers.Real) and 0 <= forget < 1):
+        problems.append(f"forget must be in [0, 1), got {forget!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        problems.append(f"warmup must be an int >= 0, got {warmup!r}")
+    if not (isinstance(overhead_decay, numbers.Real) and 0 <= overhead_decay < 1):
+        problems.append(f"overhead_decay must be in [0, 1), got {overhead_decay!r}")
+    if isinstance(max_sizes, bool) or not isinstance(max_sizes, int) or max_sizes < 2:
+        problems.append(f"max_sizes must be an int >= 2, got {max_sizes!r}")
+    if problems:
+        raise ValueError("invalid ThroughputModel arguments: " + "; ".join(problems) + ".")
+
+
 class ThroughputModel:
     """Seconds per micro-batch ``a + b*m`` and per-step overhead, fitted online (Pollux's ``T_grad``).
 
@@ -59,17 +73,7 @@ class ThroughputModel:
     """
 
     def __init__(self, forget: float = 0.9, warmup: int = 1, overhead_decay: float = 0.9, max_sizes: int = 64) -> None:
-        problems = []
-        if not (isinstance(forget, numbers.Real) and 0 <= forget < 1):
-            problems.append(f"forget must be in [0, 1), got {forget!r}")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            problems.append(f"warmup must be an int >= 0, got {warmup!r}")
-        if not (isinstance(overhead_decay, numbers.Real) and 0 <= overhead_decay < 1):
-            problems.append(f"overhead_decay must be in [0, 1), got {overhead_decay!r}")
-        if isinstance(max_sizes, bool) or not isinstance(max_sizes, int) or max_sizes < 2:
-            problems.append(f"max_sizes must be an int >= 2, got {max_sizes!r}")
-        if problems:
-            raise ValueError("invalid ThroughputModel arguments: " + "; ".join(problems) + ".")
+        _check_settings(forget, warmup, overhead_decay, max_sizes)
         self.forget, self.warmup = float(forget), warmup
         self.overhead_decay, self.max_sizes = float(overhead_decay), max_sizes
         # micro-batch size -> [timings seen, weight, weighted mean seconds, clock of the last timing]
@@ -93,6 +97,7 @@ class ThroughputModel:
         if entry is None:
             if len(self._sizes) >= self.max_sizes:  # forget the size observed least recently
                 del self._sizes[min(self._sizes, key=lambda k: self._sizes[k][3])]
+                self._stale = True  # the fit must drop its timings too
             entry = self._sizes[m] = [0, 0.0, 0.0, 0]
         entry[0] += 1
         entry[3] = self._clock
@@ -234,6 +239,7 @@ class ThroughputModel:
         ema = float(state["overhead_ema"])
         if any(m < 1 or not (math.isfinite(e[1]) and math.isfinite(e[2])) for m, e in sizes.items()) or not math.isfinite(ema):
             raise ValueError(f"invalid ThroughputModel state {state!r}: sizes >= 1 and finite timings expected.")
+        _check_settings(state["forget"], state["warmup"], state["overhead_decay"], state["max_sizes"])
         self.forget, self.warmup = float(state["forget"]), int(state["warmup"])
         self.overhead_decay, self.max_sizes = float(state["overhead_decay"]), int(state["max_sizes"])
         self._clock, self._sizes = int(state["clock"]), sizes
