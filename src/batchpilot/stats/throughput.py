@@ -45,7 +45,7 @@ def _check_int(value: Any, name: str) -> int:
     return int(value)
 
 
-def _check_settings(forget: Any, warmup: Any, overhead_decay: Any, max_sizes: Any) -> None:
+def _check_settings(forget: float, warmup: int, overhead_decay: float, max_sizes: int) -> None:
     problems = []
     if not (isinstance(forget, numbers.Real) and 0 <= forget < 1):
         problems.append(f"forget must be in [0, 1), got {forget!r}")
