@@ -1082,3 +1082,18 @@ def test_an_unknown_lr_rule_names_every_rule_pilot_accepts():
     ds, model = make_problem()
     with pytest.raises(ValueError, match="unknown lr_rule 'adaScale'; use one of 'none', .*'adascale' or a callable"):
         batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), ds, batch_size=8, lr_rule="adaScale")
+
+
+def test_the_log_writes_non_finite_values_as_strings_also_when_nested(tmp_path):
+    # A decision's "inputs" carry the step's loss and grad/norm, NaN/inf on a skipped or overflowing step:
+    # json.dumps wrote them as NaN/Infinity, which strict JSON readers (jq, JSON.parse) refuse.
+    import json as jsonlib
+
+    path = tmp_path / "log.jsonl"
+    log = batchpilot.logs.AdjustmentLog(path)
+    log.write("decision", {"step": 3, "inputs": {"loss": float("nan"), "grad/norm": float("inf")},
+                           "sizes": [1.0, float("-inf")]})
+    log.close()
+    line = path.read_text().strip()
+    record = jsonlib.loads(line, parse_constant=lambda name: pytest.fail(f"non-JSON constant {name} in {line}"))
+    assert record["inputs"] == {"loss": "nan", "grad/norm": "inf"} and record["sizes"] == [1.0, "-inf"]

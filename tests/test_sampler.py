@@ -750,3 +750,41 @@ def test_a_smaller_size_set_at_an_epochs_tail_takes_it_with_or_without_workers(n
     assert sizes == [(0, 30), (0, 30), (0, 30), (0, 10), (1, 10), (1, 10)]
     assert loader.sampler.dropped_samples == 0
     loader.close()
+
+
+def test_a_standalone_loop_resumed_at_a_tail_to_drop_trains_each_epoch_once():
+    # A checkpoint saved right after epoch 0's last full batch: the resumed loop for epoch 0 must end there
+    # (it used to drop the tail and yield epoch 1 as "epoch 0", and then set_epoch(1) trained epoch 1 again).
+    def run(resume_after):
+        s = AdaptiveBatchSampler(10, 4, shuffle=False, drop_last=True)
+        out = []
+        for epoch in range(3):
+            s.set_epoch(epoch)
+            for batch in s:
+                out.append((epoch, tuple(batch)))
+                if len(out) == resume_after:
+                    state = s.state_dict()
+                    s = AdaptiveBatchSampler(10, 4, shuffle=False, drop_last=True)
+                    s.load_state_dict(state)
+                    s.set_epoch(epoch)  # the resumed program re-enters the same epoch's loop
+                    out += [(epoch, tuple(b)) for b in s]
+                    break
+        return out, s.samples_seen, s.dropped_samples, s.epoch
+
+    uninterrupted = run(resume_after=0)
+    assert uninterrupted[1:] == (24, 6, 3)
+    assert run(resume_after=2) == uninterrupted  # resumed at epoch 0's tail
+    assert run(resume_after=3) == uninterrupted  # mid-epoch, for comparison
+
+
+def test_set_epoch_past_a_tail_to_drop_counts_it():
+    # A loop that stops after len(sampler) batches (as Lightning does) leaves the tail pending: moving to the
+    # next epoch drops it and counts it, so every index is yielded or counted in dropped_samples.
+    s = AdaptiveBatchSampler(10, 4, shuffle=False, drop_last=True)
+    for epoch in (0, 1):
+        s.set_epoch(epoch)
+        it = iter(s)
+        for _ in range(len(s)):
+            next(it)
+    s.set_epoch(2)
+    assert (s.epoch, s.offset, s.samples_seen, s.dropped_samples) == (2, 0, 16, 4)

@@ -20,9 +20,14 @@ from ._extras import install_hint
 
 
 def _clean(value: Any) -> Any:
-    """JSON has no NaN/inf: write them as strings so every line stays valid JSON."""
+    """JSON has no NaN/inf: write them as strings so every line stays valid JSON (also inside a decision's
+    ``inputs`` and other nested values)."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
     return value
 
 
