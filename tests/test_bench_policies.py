@@ -79,6 +79,21 @@ def test_tuned_static_grid_shares_the_plain_static_run():
     assert all(s.make_controller(48_000) is None for s in specs)
 
 
+def test_tuned_static_under_adascale_keeps_adascale_in_every_cell():
+    # Its gain changes during a run, so a cell at another LR is AdaScale from that LR, not a fixed LR (two of
+    # the three cells used to train plain SGD under the AdaScale policy's name, shareable with plain cells).
+    specs, members = expand(parse_policies("tuned-static:512@lr-rule=adascale,tuned-static:512"), PLAN)
+    by_name = {s.name: s for s in specs}
+    cells = members["tuned-static:512@lr-rule=adascale"]
+    assert cells == ["static:512@lr=0.005@lr-rule=adascale", "static:512@lr-rule=adascale",
+                     "static:512@lr=0.02@lr-rule=adascale"]
+    for name, lr in zip(cells, (0.005, 0.01, 0.02)):
+        spec = by_name[name]
+        assert (spec.lr_rule, spec.optimizer_lr, spec.base_batch_size, spec.noise_every) == ("adascale", lr, 32, 16)
+    assert not set(cells) & set(members["tuned-static:512"])  # never shared with the plain grid
+    assert len(specs) == 6
+
+
 def test_finder_smith_and_adaptive_specs():
     specs, members = expand(parse_policies("finder,ramp-smith,ramp,noise-scale,goodput,variance-rule,threshold-rules"),
                             PLAN)

@@ -119,7 +119,7 @@ def _grid_table(results: dict[str, Any]) -> list[str]:
     for name, s in tuned.items():
         cells = []
         for cell, t in s["grid"].items():
-            text = f"{cell.split('@lr=')[-1] if '@lr=' in cell else 'rule LR'}: {_fmt(t, '.2f', ' s')}"
+            text = f"{cell.split('@lr=')[-1].split('@')[0] if '@lr=' in cell else 'rule LR'}: {_fmt(t, '.2f', ' s')}"
             cells.append(f"**{text}**" if cell == s.get("chosen") else text)
         lines.append(f"| {name} | {'; '.join(cells)} |")
     return lines + [""]

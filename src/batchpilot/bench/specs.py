@@ -74,6 +74,9 @@ def _static(plan: Plan, n: int, lr: float | None, policy: str, grid: bool = Fals
     if lr is None or math.isclose(lr, rule_lr, rel_tol=1e-9):
         return RunSpec(f"static:{n}", n, plan.base_lr, plan.lr_rule, plan.base_batch_size, rule_lr,
                        policies=(policy,), grid=grid)
+    if plan.lr_rule == "adascale":  # its gain changes during the run: a fixed LR would be another policy
+        return RunSpec(f"static:{n}@lr={lr:g}", n, lr, "adascale", plan.base_batch_size, lr, policies=(policy,),
+                       grid=grid)
     return RunSpec(f"static:{n}@lr={lr:g}", n, lr, "none", n, lr, policies=(policy,), grid=grid)
 
 
