@@ -1,11 +1,11 @@
 """benchmarks/hindsight.py: its schedules, its recipe reader, and a run on a tiny budget (no speed asserted)."""
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
+from _benchmarks import load_benchmark
 
 from batchpilot.controllers.base import Observation
 
@@ -14,10 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("hindsight_benchmark", REPO / "benchmarks" / "hindsight.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("hindsight")
 
 
 def test_schedules_hold_the_lr_and_change_the_batch_where_told(bench):

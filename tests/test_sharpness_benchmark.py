@@ -1,22 +1,16 @@
 """benchmarks/sharpness.py: the power iteration against a closed form, its refusal of Adam, and a run on a tiny
 budget (no speed asserted)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
+from _benchmarks import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("sharpness_benchmark", REPO / "benchmarks" / "sharpness.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("sharpness")
 
 
 def test_power_iteration_finds_the_top_eigenvalue_of_a_least_squares_hessian(bench):

@@ -3,12 +3,12 @@ benchmark on a tiny budget (benchmarks/estimators.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
 
 import pytest
+from _benchmarks import load_benchmark
 
 import batchpilot.stats as stats
 from batchpilot.stats import LossTrend, NoiseScaleEstimator, ThroughputModel
@@ -46,16 +46,9 @@ def test_docs_list_every_metric_name():
         assert re.fullmatch(r"(stats|perf|system)/[a-z_]+", name), name
 
 
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("estimators_benchmark", REPO / "benchmarks" / "estimators.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_linear_problem_truth_matches_its_definition():
     # The closed form against a Monte Carlo estimate from per-example gradients (float64, 200k samples).
-    bench = load_benchmark()
+    bench = load_benchmark("estimators")
 
     problem = bench.LinearProblem(d=4, delta_norm=1.0, noise_std=0.7, seed=3)
     x, y = problem.sample(200_000)
@@ -69,7 +62,7 @@ def test_linear_problem_truth_matches_its_definition():
 
 
 def test_benchmark_runs_on_a_tiny_budget(tmp_path):
-    bench = load_benchmark()
+    bench = load_benchmark("estimators")
     result = bench.run(quick=True)
     json.dumps(result, allow_nan=False)
     bench.print_tables(result)
