@@ -37,7 +37,7 @@ RUN_KEYS = {"policy", "seed", "time_to_target_s", "steps_to_target", "samples_to
             "wall_s", "batch_sizes"}
 
 
-def test_bench_resume_trains_only_the_missing_runs(tmp_path, capsys):
+def test_bench_resume_trains_only_the_missing_runs(tmp_path, capsys, monkeypatch):
     bench = ["bench", "--workload", "synthetic", "--policies", "static:32,noise-scale", "--seeds", "0,1",
              "--budget-s", "20", "--no-progress", "--calibrate-steps", "1"]
     full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
@@ -48,7 +48,13 @@ def test_bench_resume_trains_only_the_missing_runs(tmp_path, capsys):
     cut_dir.mkdir()
     (cut_dir / "results.json").write_text(json.dumps(cut))
     capsys.readouterr()
+    import batchpilot.bench.runner as runner
+
+    warmed = []  # the real warm-up, recorded: the first session's calibration was its warm-up
+    monkeypatch.setattr(runner, "warm_up", lambda wl, train, sizes, _real=runner.warm_up: (
+        warmed.extend(sizes), _real(wl, train, sizes)))
     assert main([*bench, "--out", str(cut_dir), "--resume"]) == 0
+    assert warmed == full["calibration"]["sizes"]
     resumed = json.loads((cut_dir / "results.json").read_text())
     assert resumed["runs"][:2] == full["runs"][:2]  # kept as they were, not retrained
     assert [(r["policy"], r["seed"]) for r in resumed["runs"]] == [(r["policy"], r["seed"]) for r in full["runs"]]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -279,6 +280,17 @@ def test_finder_picks_among_the_grid_not_the_policies_sizes():
     assert cal.finder_size(among=size_grid(32, 128)) == 128  # the grid without the policies' sizes
     capped = Calibration(sizes=[32, 64, 96], step_s=[0.010, 0.012, 0.0125], probe_step_s=[0.02, 0.022, 0.0225])
     assert capped.finder_size(among=size_grid(32, 96)) == 96  # a largest batch off the powers of two counts
+
+
+def test_a_policys_size_cannot_move_the_finder_through_the_monotone_fix_up():
+    # 96 (a policy's size) measured faster than 64: carried down, it made 64 look as fast as 128 (7805/s
+    # against 7758/s) and the finder picked 64. Over the grid's own raw times 64 runs at 3200/s: 128.
+    raw = [0.010, 0.020, 0.0082, 0.0165]
+    cal = Calibration(sizes=[32, 64, 96, 128], step_s=_suffix_min(raw), probe_step_s=_suffix_min(raw), raw_step_s=raw)
+    assert cal.finder_size(among=size_grid(32, 128)) == 128
+    assert Calibration.from_json(json.loads(json.dumps(cal.to_json()))) == cal  # kept in results.json
+    older = Calibration(sizes=cal.sizes, step_s=cal.step_s, probe_step_s=cal.probe_step_s)  # written before
+    assert older.finder_size(among=size_grid(32, 128)) == 64
 
 
 def test_adascale_policies_measure_statistics_in_the_cost_model_too():

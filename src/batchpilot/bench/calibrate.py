@@ -60,6 +60,8 @@ class Calibration:
         probe_step_s: Step time when the engine also measures gradient statistics on that step.
         seconds: Wall time the calibration took (plain and measured modes together).
         plain_seconds: Wall time of one round of plain-mode measurements (what a finder would pay).
+        raw_step_s: Plain step time at each size before a larger size's faster time was carried down
+            (:func:`_suffix_min`); the finder redoes that over its own sizes only.
     """
 
     sizes: list[int]
@@ -69,6 +71,7 @@ class Calibration:
     plain_seconds: float = 0.0
     steps: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+    raw_step_s: list[float] | None = None
 
     def step_time(self, batch_size: int, probe: bool = False) -> float:
         """Interpolated ``t_step(batch_size)`` in seconds (measured-mode time with ``probe=True``)."""
@@ -101,6 +104,11 @@ class Calibration:
         rates = {b: r for b, r in self.throughput().items() if max_size is None or b <= max_size}
         if among is not None:
             allowed = set(among)
+            if self.raw_step_s is not None and allowed & set(self.sizes):
+                # The other sizes must not lower the allowed ones' times through the monotone fix-up either.
+                own = [(b, t) for b, t in zip(self.sizes, self.raw_step_s) if b in allowed]
+                rates = {b: b / t for (b, _), t in zip(own, _suffix_min([t for _, t in own]))
+                         if t > 0 and (max_size is None or b <= max_size)}
             rates = {b: r for b, r in rates.items() if b in allowed} or rates
         if not rates:
             raise ValueError(f"no calibrated batch size is <= {max_size}; calibrate smaller sizes.")
@@ -110,10 +118,13 @@ class Calibration:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Calibration:
         """The calibration :meth:`to_json` wrote (``KeyError``/``TypeError``/``ValueError`` if it is not one)."""
-        known = {"sizes", "step_s", "probe_step_s", "samples_per_s", "seconds", "plain_seconds", "steps_per_size"}
+        known = {"sizes", "step_s", "probe_step_s", "samples_per_s", "seconds", "plain_seconds", "steps_per_size",
+                 "raw_step_s"}
+        raw = data.get("raw_step_s")  # absent in results.json written before it was kept
         return cls([int(b) for b in data["sizes"]], [float(t) for t in data["step_s"]],
                    [float(t) for t in data["probe_step_s"]], float(data["seconds"]), float(data["plain_seconds"]),
-                   int(data["steps_per_size"]), {k: v for k, v in data.items() if k not in known})
+                   int(data["steps_per_size"]), {k: v for k, v in data.items() if k not in known},
+                   None if raw is None else [float(t) for t in raw])
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -124,6 +135,7 @@ class Calibration:
             "seconds": self.seconds,
             "plain_seconds": self.plain_seconds,
             "steps_per_size": self.steps,
+            **({} if self.raw_step_s is None else {"raw_step_s": self.raw_step_s}),
             **self.meta,
         }
 
@@ -145,6 +157,15 @@ def _time_steps(workload: Workload, train: TensorDataset, size: int, steps: int,
     finally:
         pilot.close()
     return times[warm:] or times
+
+
+def warm_up(workload: Workload, train: TensorDataset, sizes: Sequence[int], warm: int = 2) -> None:
+    """A throwaway pass at each of ``sizes``, plain and measured, to pay one-off costs (imports, allocator,
+    first kernels) before anything is timed: the calibration does it for its first size; a resumed bench,
+    whose calibration is loaded, for every size."""
+    for size in sizes:
+        _time_steps(workload, train, size, 1, warm, None)
+        _time_steps(workload, train, size, 1, warm, 1)
 
 
 def _suffix_min(times: list[float]) -> list[float]:
@@ -169,8 +190,7 @@ def calibrate(workload: Workload, train: TensorDataset, sizes: Sequence[int], st
     n = len(train)
     sizes = sorted({int(s) for s in sizes if 1 <= s <= n}) or [n]
     t0 = time.perf_counter()
-    _time_steps(workload, train, sizes[0], 1, warm, None)
-    _time_steps(workload, train, sizes[0], 1, warm, 1)
+    warm_up(workload, train, sizes[:1], warm)
     plain: dict[int, list[float]] = {b: [] for b in sizes}  # per-round medians
     probe: dict[int, list[float]] = {b: [] for b in sizes}
     plain_s = 0.0
@@ -181,5 +201,6 @@ def calibrate(workload: Workload, train: TensorDataset, sizes: Sequence[int], st
             plain_s += time.perf_counter() - t
             probe[b].append(statistics.median(_time_steps(workload, train, b, steps, warm, 1)))
     seconds = time.perf_counter() - t0
-    return Calibration(sizes, _suffix_min([min(plain[b]) for b in sizes]), _suffix_min([min(probe[b]) for b in sizes]),
-                       seconds=seconds, plain_seconds=plain_s / rounds, steps=steps * rounds)
+    raw = [min(plain[b]) for b in sizes]
+    return Calibration(sizes, _suffix_min(raw), _suffix_min([min(probe[b]) for b in sizes]),
+                       seconds=seconds, plain_seconds=plain_s / rounds, steps=steps * rounds, raw_step_s=raw)

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from .calibrate import Calibration, calibrate, size_grid
+from .calibrate import Calibration, calibrate, size_grid, warm_up
 from .policies import DESCRIPTIONS, POLICY_HELP, TUNE_FACTORS, Policy, parse_policies, parse_policy
 from .progress import Progress, run_line
 from .specs import Plan, expand
@@ -220,7 +220,9 @@ def run_benchmark(
     sizes = size_grid(lo, hi, extra)
     if previous is not None:
         cal = Calibration.from_json(previous["calibration"])
-        show.note(f"resuming {out / 'results.json'}: {len(previous['runs'])} runs done; reusing its calibration")
+        show.note(f"resuming {out / 'results.json'}: {len(previous['runs'])} runs done; reusing its calibration "
+                  "(after a throwaway pass at each size, as the calibration's was the first session's warm-up)")
+        warm_up(wl, train, sizes)
     else:
         show.note(f"calibrating step times at batch sizes {', '.join(map(str, sizes))} ...")
         cal = calibrate(wl, train, sizes, steps=calibrate_steps)
