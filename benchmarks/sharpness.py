@@ -1,5 +1,5 @@
-"""When is a larger batch (with its linearly scaled LR) stable? The loss sharpness as the signal (a benchmark,
-not a test, and an experiment, not a controller).
+"""What the loss Hessian says about a changing batch: when a larger batch's LR is stable, and whether the
+Hessian-weighted noise scale predicts the critical batch (a benchmark, not a test; experiments, not controllers).
 
 ``benchmarks/hindsight.py`` found that on mnist1d one doubling of the tuned static batch (512 -> 1024, the LR
 following the linear rule 0.16 -> 0.32) beats the static if it comes after ~4 epochs, and breaks half the
@@ -21,12 +21,20 @@ Two modes, both on an SGD workload's own data, model and optimizer (``--workload
   Too few power iterations approach ``lambda_max`` from below (a Rayleigh quotient never exceeds it): that
   errs towards growing.
 
+* ``--mode noise``: the recipe's static batch, and every ``--every`` epochs McCandlish et al.'s two noise
+  scales: ``B_simple = tr(Sigma) / |G|^2`` (what the library measures) and the Hessian-weighted
+  ``B_noise = tr(H Sigma) / (G' H G)`` (their Eq. 2.8, the one that predicts the critical batch on a
+  quadratic). Both from the same unbiased two-batch estimators: ``--probe-samples`` random samples as the big
+  batch, cut into small batches of 64, each quadratic form one Hessian-vector product; numerators and
+  denominators summed over 4 draws. Does ``B_noise`` sit nearer the critical batch the static grid implies?
+
 Power iteration: ``--probe-samples`` random training samples per check, 3 x ``--iters`` iterations at the
 first check, ``--iters`` warm-started from the last eigenvector afterwards. Output: ``sharpness.json``.
 
     PYTHONPATH=src python benchmarks/sharpness.py --mode trace --seeds 0,1,2 --epochs 6
     PYTHONPATH=src python benchmarks/sharpness.py --mode gate --seeds 0,1,2,3,4 --max-batch 1024 \
         --probe-samples 256 --iters 4
+    PYTHONPATH=src python benchmarks/sharpness.py --mode noise --seeds 0,1 --epochs 12 --every 2 --probe-samples 2048
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +72,44 @@ def top_eigenvalue(model: torch.nn.Module, loss_fn: Callable, x: torch.Tensor, y
             break
         v = [t / norm for t in hv]
     return value, [t.detach() for t in v]
+
+
+def noise_scales(model: torch.nn.Module, loss_fn: Callable, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                 small: int = 64) -> tuple[float, float]:
+    """``(B_simple, B_noise)`` of McCandlish et al. 2018 from big batches, each cut into small ones.
+
+    Per big batch of ``N`` samples (``n_s = small``): ``|G|^2 ~ (N |g_N|^2 - n_s mean|g_s|^2) / (N - n_s)`` and
+    ``tr(Sigma) ~ (mean|g_s|^2 - |g_N|^2) / (1/n_s - 1/N)``, and the same with ``g' H g`` (Hessian-vector
+    products with the big batch's Hessian) for ``G' H G`` and ``tr(H Sigma)``. Numerators and denominators are
+    summed over the big batches before dividing (as the library's estimator smooths them).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+        return sum(float((u * v).sum()) for u, v in zip(a, b))
+
+    sums = {"G2": 0.0, "S": 0.0, "GHG": 0.0, "HS": 0.0}
+    for x, y in batches:
+        big = len(y)
+        if big < 2 * small or big % small:
+            raise ValueError(f"a big batch of {big} samples cannot be cut into small batches of {small}; "
+                             "pass a multiple of it, at least twice as large.")
+        grads = torch.autograd.grad(loss_fn(model(x), y), params, create_graph=True)
+        g_big = [g.detach() for g in grads]
+        q_big = dot(g_big, torch.autograd.grad(grads, params, g_big, retain_graph=True))
+        sq_big = dot(g_big, g_big)
+        qs, sqs = [], []
+        for lo in range(0, big, small):
+            g = torch.autograd.grad(loss_fn(model(x[lo : lo + small]), y[lo : lo + small]), params)
+            qs.append(dot(g, torch.autograd.grad(grads, params, g, retain_graph=True)))
+            sqs.append(dot(g, g))
+        q_small, sq_small = sum(qs) / len(qs), sum(sqs) / len(sqs)
+        spread = 1 / small - 1 / big
+        sums["G2"] += (big * sq_big - small * sq_small) / (big - small)
+        sums["S"] += (sq_small - sq_big) / spread
+        sums["GHG"] += (big * q_big - small * q_small) / (big - small)
+        sums["HS"] += (q_small - q_big) / spread
+    return sums["S"] / sums["G2"], sums["HS"] / sums["GHG"]
 
 
 def momentum_of(optimizer: torch.optim.Optimizer) -> float:
@@ -102,7 +148,15 @@ class _Run:
         return value
 
     def check(self) -> None:
-        """A scheduled check: record the sharpness, and (gated) double the batch if the doubled LR is stable."""
+        """A scheduled check: record the sharpness, and (gated) double the batch if the doubled LR is stable;
+        or (``--mode noise``) record the two noise scales."""
+        if self.args.mode == "noise":
+            start = time.perf_counter()
+            draws = [torch.randperm(self.n, generator=self.probe_rng)[: self.args.probe_samples] for _ in range(4)]
+            simple, noise = noise_scales(self.model, self.wl.loss_fn, [(self.x[i], self.y[i]) for i in draws])
+            self.probe_s += time.perf_counter() - start
+            self.checks.append({"epoch": round(self.samples / self.n, 3), "b_simple": simple, "b_noise": noise})
+            return
         sharpness = self.probe()
         grow = self.gated and 2 * self.lr * sharpness < self.args.margin * self.bound
         self.checks.append({"epoch": round(self.samples / self.n, 3), "batch": self.batch, "lr": self.lr,
@@ -150,7 +204,7 @@ class _Run:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mode", choices=("trace", "gate"), default="trace")
+    p.add_argument("--mode", choices=("trace", "gate", "noise"), default="trace")
     p.add_argument("--workload", default="mnist1d")
     p.add_argument("--batch", type=int, default=512, help="the recipe's batch size")
     p.add_argument("--lr", type=float, default=0.16, help="the recipe's LR at --batch")
@@ -172,12 +226,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     seeds = [int(s) for s in args.seeds.split(",")]
     runs = []
     for seed in seeds:
-        variants = (False,) if args.mode == "trace" else (False, True)
+        variants = (False, True) if args.mode == "gate" else (False,)
         for gated in variants:  # interleaved seed by seed
             torch.manual_seed(seed)
-            run = _Run(args, seed, gated).run(args.epochs if args.mode == "trace" else None)
+            run = _Run(args, seed, gated).run(None if args.mode == "gate" else args.epochs)
             runs.append(run)
-            if args.mode == "trace":
+            if args.mode == "noise":
+                for c in run["checks"]:
+                    print(f"seed {seed}  epoch {c['epoch']:5.2f}  B_simple {c['b_simple']:8.1f}  "
+                          f"B_noise {c['b_noise']:8.1f}  ratio {c['b_noise'] / c['b_simple']:5.2f}", flush=True)
+            elif args.mode == "trace":
                 for c in run["checks"]:
                     print(f"seed {seed}  epoch {c['epoch']:5.2f}  lambda_max {c['lambda_max']:7.2f}  "
                           f"lr x lambda {c['lr_x_lambda']:5.2f}", flush=True)
