@@ -296,6 +296,10 @@ def test_noise_scale_with_a_limit_inside_half_a_grid_step_still_moves_one_grid_p
     assert decide(100, 1.0, round_to=32, max_change=1.1, allow_shrink=True) == 96  # 96 is within the limit
     assert decide(4096, 1e6, round_to="pow2") == 4096  # at max_size: nowhere to go
     assert decide(80, 80.0, round_to="pow2") == 80  # within the hysteresis band: no decision to move
+    # But a limit never moves the batch further than no limit: 81 rounds to 64 on the pow2 grid, 79 to 64 on
+    # the 32-grid, so nothing moves, with or without the limit.
+    assert decide(64, 81.0, round_to="pow2") == decide(64, 81.0, round_to="pow2", max_change=None) == 64
+    assert decide(64, 79.0, round_to=32, max_change=1.1) == decide(64, 79.0, round_to=32, max_change=None) == 64
     assert NoiseScale(smoothing=0.0, max_change=None, min_measurements=0).decide(obs(50, 8000, ns(100.0))) == 4096  # current above max: clamped
 
 

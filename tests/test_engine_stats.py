@@ -257,3 +257,27 @@ def test_framework_step_stats_measure_the_parameters_trainable_at_each_measured_
 
     measured, reference = run(True), run(False)
     assert "stats/trace_cov" in measured and measured == pytest.approx(reference, rel=1e-12)
+
+
+def test_a_measurement_whose_trainable_set_changed_inside_the_step_is_left_out():
+    # Transformers calls on_step_begin after the batch (and its measured step) was planned: a layer unfrozen
+    # there is in the step's norm but not in the small batches, so that measurement must not enter the estimate.
+    from batchpilot.clipping import grad_norm
+    from batchpilot.integrations._step_stats import StepStats
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    model.bias.requires_grad_(False)
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    stats = StepStats([model.weight], world_size=1, accumulation_steps=2, every=1,
+                      params_of=lambda: [p for p in model.parameters() if p.requires_grad])
+    stats.begin_step(0, 16)
+    model.bias.requires_grad_(True)  # unfrozen inside the step
+    for j in range(2):
+        (torch.nn.functional.cross_entropy(model(x[8 * j : 8 * j + 8]), y[8 * j : 8 * j + 8]) * 0.5).backward()
+        stats.after_micro(8, last=j == 1, to_mean=0.5)
+    stats.reduced(grad_norm(model.parameters()))
+    assert stats.probe.estimator.count == 0 and "stats/noise_scale" not in stats.end_step(0, 1.0)
+    model.zero_grad()
+    stats.begin_step(1, 16)  # the next measured step measures both
+    assert stats.probe.params == [model.weight, model.bias]

@@ -410,3 +410,20 @@ def test_ddp_two_ranks_under_torchrun(tmp_path):
     merged = [{"ids": a["ids"] + b["ids"]} for a, b in zip(ranks[0]["steps"], ranks[1]["steps"])]
     for got, want in zip(ranks[0]["weights"], sgd_reference(merged, make_data())):
         torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=0, atol=1e-13)
+
+
+def test_a_later_fit_with_another_module_measures_that_modules_parameters(tmp_path):
+    # A second fit whose module trains the same parameters keeps its StepStats, but the statistics must re-read
+    # the new module's trainable parameters (they read the first fit's module, so a layer of the new one
+    # unfrozen later was never measured).
+    adaptive = AdaptiveBatchSize(StatsSpy([6]), batch_size=6, noise_every=1)
+    first = Model(adaptive, make_data(), val=False)
+    trainer(tmp_path, adaptive, accumulate_grad_batches=3, max_epochs=1).fit(first)
+    stats = adaptive.stats
+    second = Model(adaptive, make_data(), val=False)
+    second.net = first.net  # the same trainable parameters: nothing to rebuild
+    second.extra = torch.nn.Linear(2, 2).requires_grad_(False)
+    trainer(tmp_path, adaptive, accumulate_grad_batches=3, max_epochs=1).fit(second)
+    assert adaptive.stats is stats
+    second.extra.requires_grad_(True)  # unfrozen after this fit: the next measured step must see it
+    assert any(p is second.extra.weight for p in adaptive.stats._params_of())

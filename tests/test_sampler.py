@@ -788,3 +788,31 @@ def test_set_epoch_past_a_tail_to_drop_counts_it():
             next(it)
     s.set_epoch(2)
     assert (s.epoch, s.offset, s.samples_seen, s.dropped_samples) == (2, 0, 16, 4)
+
+
+def test_a_size_raised_after_set_epoch_at_a_resumed_position_ends_that_epoch_as_uninterrupted():
+    # Resumed at offset 8 of 12 (4 left: no tail yet), then the size grows to 8: the 4 left become a tail to
+    # drop. The loop set_epoch(0) named must end there, as the uninterrupted run's does when its size grows
+    # after the same batch (it used to train epoch 1 inside epoch 0's loop, and then again).
+    def run(resume):
+        s = AdaptiveBatchSampler(12, 4, shuffle=False, drop_last=True)
+        out = []
+        for epoch in range(2):
+            s.set_epoch(epoch)
+            for batch in s:
+                out.append((epoch, tuple(batch)))
+                if len(out) == 2:
+                    if resume:
+                        state = s.state_dict()
+                        s = AdaptiveBatchSampler(12, 4, shuffle=False, drop_last=True)
+                        s.load_state_dict(state)
+                        s.set_epoch(epoch)
+                        s.set_batch_size(8)
+                        out += [(epoch, tuple(b)) for b in s]
+                        break
+                    s.set_batch_size(8)
+        return out, s.samples_seen, s.dropped_samples
+
+    uninterrupted = run(False)
+    assert uninterrupted[1:] == (16, 8)
+    assert run(True) == uninterrupted

@@ -53,29 +53,64 @@ def test_gated_growth_runs_on_a_tiny_budget_and_grows_only_under_the_bound(bench
     assert gated["final_batch"] == batch
 
 
-def test_the_two_noise_scales_agree_where_the_hessian_is_a_multiple_of_the_identity(bench):
-    # loss_i = c/2 |w - t_i|^2: H = c I exactly, so G'HG = c |G|^2 and tr(H Sigma) = c tr(Sigma) in every
-    # estimate, and B_noise = B_simple; with the targets' spread known, B_simple = tr(Sigma) / |G|^2 too.
-    class Point(torch.nn.Module):
+def test_the_noise_scale_estimators_recover_the_exact_values_of_a_population(bench):
+    # Weighted least squares, loss_i = a_i (w.x_i - t_i)^2 / 2: per-sample gradients a_i r_i x_i and per-sample
+    # Hessians a_i x_i x_i' that differ. With the whole population as the big batch (cut into 64s in random
+    # orders), H is exact and both estimates must converge to tr(Sigma)/|G|^2 and tr(H Sigma)/(G'HG).
+    gen = torch.Generator().manual_seed(1)
+    n, f64 = 2048, torch.float64
+    x = torch.randn(n, 3, generator=gen, dtype=f64) * torch.tensor([3.0, 1.0, 0.3], dtype=f64)  # anisotropic
+    a = 0.5 + 2.0 * torch.rand(n, generator=gen, dtype=f64)
+    t = x @ torch.tensor([1.0, -2.0, 0.5], dtype=f64) + 0.3 * torch.randn(n, generator=gen, dtype=f64)
+    y = torch.stack([t, a], dim=1)
+    model = torch.nn.Linear(3, 1, bias=False).to(f64)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[0.9, -1.0, 0.0]], dtype=f64))
+
+    def loss_fn(out, target):
+        return (target[:, 1] * (out[:, 0] - target[:, 0]) ** 2).mean() / 2
+
+    w = model.weight.detach()[0]
+    per_sample = (a * (x @ w - t))[:, None] * x
+    g = per_sample.mean(0)
+    sigma = (per_sample - g).T @ (per_sample - g) / n
+    hessian = (a[:, None, None] * x[:, :, None] * x[:, None, :]).mean(0)
+    exact_simple = float(torch.trace(sigma) / (g @ g))
+    exact_noise = float(torch.trace(hessian @ sigma) / (g @ hessian @ g))
+    assert abs(exact_noise / exact_simple - 1) > 0.1  # the two differ here: the test tells them apart
+
+    # One draw, against the two-batch formulas written out with the exact small-batch gradients (the algebra).
+    order = torch.randperm(n, generator=gen)
+    small = per_sample[order].reshape(n // 64, 64, 3).mean(1)  # the gradients of the 32 small batches
+    sq_s, q_s = (small * small).sum(1).mean(), torch.einsum("ki,ij,kj->k", small, hessian, small).mean()
+    spread = 1 / 64 - 1 / n
+    by_hand = (float((sq_s - g @ g) / spread / ((n * (g @ g) - 64 * sq_s) / (n - 64))),
+               float((q_s - g @ hessian @ g) / spread / ((n * (g @ hessian @ g) - 64 * q_s) / (n - 64))))
+    assert bench.noise_scales(model, loss_fn, [(x[order], y[order])]) == pytest.approx(by_hand, rel=1e-9)
+    # Many draws: both converge to the population values (the sampling spread is ~3% at 200 draws).
+    orders = [torch.randperm(n, generator=gen) for _ in range(60)]
+    simple, noise = bench.noise_scales(model, loss_fn, [(x[o], y[o]) for o in orders])
+    assert simple == pytest.approx(exact_simple, rel=0.12)
+    assert noise == pytest.approx(exact_noise, rel=0.12)
+    with pytest.raises(ValueError, match="multiple of it"):
+        bench.noise_scales(model, loss_fn, [(x[:100], y[:100])])
+
+
+def test_the_top_eigenvalue_is_found_where_a_negative_one_is_larger(bench):
+    # H = diag(1, -5): plain power iteration converges to -5 (the largest in magnitude); lambda_max is 1.
+    class Saddle(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.w = torch.nn.Parameter(torch.tensor([3.0, -1.0], dtype=torch.float64))
+            self.w = torch.nn.Parameter(torch.tensor([0.3, 0.2], dtype=torch.float64))
 
-        def forward(self, targets):
-            return self.w - targets
+        def forward(self, x):
+            return self.w
 
-    def loss_fn(diff, _):
-        return 2.5 * (diff**2).sum(dim=1).mean()  # c = 5
+    def loss_fn(w, _):
+        return 0.5 * (w[0] ** 2 - 5 * w[1] ** 2)
 
-    gen = torch.Generator().manual_seed(0)
-    targets = torch.randn(4096, 2, generator=gen, dtype=torch.float64)
-    batches = [(targets[i : i + 1024], None) for i in range(0, 4096, 1024)]
-    simple, noise = bench.noise_scales(Point(), loss_fn, [(x, torch.zeros(len(x))) for x, _ in batches])
-    assert noise == pytest.approx(simple, rel=1e-9)
-    # per-sample gradient 5 (w - t_i): tr(Sigma) = 25 x 2 (unit variance per coordinate), |G|^2 = 25 |w|^2 = 250
-    assert simple == pytest.approx(50 / 250, rel=0.25)
-    with pytest.raises(ValueError, match="multiple of it"):
-        bench.noise_scales(Point(), loss_fn, [(targets[:100], torch.zeros(100))])
+    value, _ = bench.top_eigenvalue(Saddle(), loss_fn, torch.zeros(1), torch.zeros(1), None, iters=50)
+    assert value == pytest.approx(1.0, rel=1e-6)
 
 
 def test_noise_mode_records_both_noise_scales(bench, tmp_path):

@@ -81,11 +81,15 @@ class GradientNoiseProbe:
     def set_params(self, params: list[torch.nn.Parameter]) -> None:
         """Measure ``params`` from the next step on (call between steps, when the trainable set changed: the
         small batches' norms must cover the same parameters as the step's norm). The estimates carry over."""
-        if len(params) == len(self.params) and all(a is b for a, b in zip(params, self.params)):
+        if self.measures(params):
             return
         self.params = params
         self._index = {id(p): i for i, p in enumerate(params)}
         self._prev = None
+
+    def measures(self, params: list[torch.nn.Parameter]) -> bool:
+        """Whether the probe measures exactly ``params``, in this order."""
+        return len(params) == len(self.params) and all(a is b for a, b in zip(params, self.params))
 
     def attach_ddp(self, ddp_model: Any) -> bool:
         """Read each rank's gradient inside DDP's own all-reduce (a communication hook), so that under DDP

@@ -162,7 +162,9 @@ class NoiseScale:
                     new = inner
             capped = target > hi if grow else target < lo
             if capped and self.round_to is not None and not (new > size if grow else new < size):
-                new = self._next_grid_point(size, grow)  # no grid point moves within the limit: one past it
+                free = self._round_and_clamp(max(min(target, 4.0 * self.max_size), 1.0))  # without the limit
+                if free > size if grow else free < size:  # a limit never moves further than no limit
+                    new = self._next_grid_point(size, grow)  # no grid point moves within it: one past it
         else:
             new = self._round_and_clamp(max(limited, 1.0))
         moved = new > size if grow else new < size

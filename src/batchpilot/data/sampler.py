@@ -103,7 +103,7 @@ class AdaptiveBatchSampler:
         self.next_epoch_of: Callable[[], int] | None = None  # set by a loader: the epoch of its next step
         self._order_epoch = -1
         self._order: np.ndarray | None = None
-        self._ends_at_tail = False  # set_epoch(current) at a tail to drop: the next iter() ends that epoch
+        self._loop_epoch: int | None = None  # the epoch set_epoch named for the loop that follows (no loader)
 
     # ---------------------------------------------------------------- size and position
     @property
@@ -132,15 +132,12 @@ class AdaptiveBatchSampler:
         its next unconsumed step.
         """
         epoch = check_positive_int(epoch, "epoch", minimum=0)
-        self._ends_at_tail = False
-        if self.next_epoch_of is None and self.at_tail_to_drop():
-            # Only the current epoch's tail is left (a checkpoint saved after its last full batch, or a loop
-            # that stopped there). It belongs to this epoch: its loop ends without training the next epoch,
-            # and moving on drops (and counts) it.
-            if epoch == self.epoch:
-                self._ends_at_tail = True
-                return
-            if epoch > self.epoch:
+        if self.next_epoch_of is None:
+            # Where only the current epoch's tail is left (a checkpoint saved after its last full batch, or a
+            # loop that stopped there), the tail belongs to this epoch: moving on drops (and counts) it, and a
+            # loop for this epoch ends there instead of training the next epoch (see __iter__).
+            self._loop_epoch = epoch
+            if epoch > self.epoch and self.at_tail_to_drop():
                 self.drop_tail()
         current = self.next_epoch_of() if self.next_epoch_of is not None else self.epoch
         if epoch != current:
@@ -210,9 +207,10 @@ class AdaptiveBatchSampler:
     def __iter__(self) -> Iterator[list[int]]:
         """Yield this rank's share of each remaining global batch of the current epoch (of the next one
         when only a tail to drop is left, unless ``set_epoch`` named the current epoch: then that epoch ends)."""
-        ends, self._ends_at_tail = self._ends_at_tail, False
-        if self.drop_tail() and ends:
-            return
+        named, self._loop_epoch = self._loop_epoch, None
+        tail_of = self.epoch
+        if self.drop_tail() and named == tail_of:
+            return  # the loop set_epoch named for that epoch ends with it
         start_epoch = self.epoch
         while self.epoch == start_epoch:
             batch = self.next_global_batch()
@@ -302,4 +300,4 @@ class AdaptiveBatchSampler:
         self._batch_size = batch_size
         self.samples_seen = counts["samples_seen"]
         self.dropped_samples = counts["dropped_samples"]
-        self._ends_at_tail = False
+        self._loop_epoch = None

@@ -128,6 +128,10 @@ class StepStats:
         A collective on measured steps when distributed (every rank calls it)."""
         if self.probe.measuring:
             sq = float("nan") if grad_norm is None else float(grad_norm) ** 2
+            if self._params_of is not None and not self.probe.measures(self._params_of()):
+                # The trainable set changed inside the step (a callback's on_step_begin, say): the two norms
+                # cover different parameters, so this measurement is left out (every rank still reduces).
+                sq = float("nan")
             self.probe.end_step(self._global, sq, bpdist.all_reduce_sum if self.world_size > 1 else None)
 
     def end_step(self, step: int, loss: float | None, max_micro_batch_size: int | None = None) -> dict[str, float]:

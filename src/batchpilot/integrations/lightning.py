@@ -155,6 +155,7 @@ class AdaptiveBatchSize(Callback):
         self.noise_every = noise_every
         self._measure = noise_every is not None or needs_gradient_stats(self.driver.controller)
         self.stats: StepStats | None = None  # built at the start of training when measuring
+        self._module: Any = None  # the LightningModule of the current fit
         self._stats_state: dict[str, Any] | None = None
         self._loader_state: dict[str, Any] | None = None  # a resumed data position for a loader built later
         self.log_progress = log
@@ -290,6 +291,7 @@ class AdaptiveBatchSize(Callback):
         self._validate_at_epoch_end(trainer)
         self._check_fixed_accumulation(trainer)
         params = [p for p in pl_module.parameters() if p.requires_grad]
+        self._module = pl_module  # this fit's: the statistics re-read its trainable parameters at measured steps
         if self._measure and (self.stats is None or [id(p) for p in params] != [id(p) for p in self.stats.probe.params]):
             # Built at the first fit, and again when a later fit trains other parameters (another module): the
             # estimate carries over, as the controller's state does.
@@ -298,7 +300,7 @@ class AdaptiveBatchSize(Callback):
             carried = self._stats_state if self.stats is None else self.stats.state_dict()
             self.stats = StepStats(params, world_size=trainer.world_size,
                                    accumulation_steps=trainer.accumulate_grad_batches, every=self.noise_every,
-                                   params_of=lambda: [p for p in pl_module.parameters() if p.requires_grad])
+                                   params_of=lambda: [p for p in self._module.parameters() if p.requires_grad])
             if carried is not None:
                 self.stats.load_state_dict(carried)
         if self.stats is not None:
