@@ -292,7 +292,7 @@ class AdaptiveBatchSize(Callback):
         self._check_fixed_accumulation(trainer)
         params = [p for p in pl_module.parameters() if p.requires_grad]
         self._module = pl_module  # this fit's: the statistics re-read its trainable parameters at measured steps
-        if self._measure and (self.stats is None or [id(p) for p in params] != [id(p) for p in self.stats.probe.params]):
+        if self._measure and (self.stats is None or not self.stats.probe.measures(params)):
             # Built at the first fit, and again when a later fit trains other parameters (another module): the
             # estimate carries over, as the controller's state does.
             check_measurable(trainer.world_size, trainer.accumulate_grad_batches,
