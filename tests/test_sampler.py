@@ -752,29 +752,38 @@ def test_a_smaller_size_set_at_an_epochs_tail_takes_it_with_or_without_workers(n
     loader.close()
 
 
+def _standalone_epochs(n: int, epochs: int, at: int, resume: bool, grow_to: int | None = None):
+    """A user's ``for epoch: sampler.set_epoch(epoch); for batch in sampler`` loop over a bare ``drop_last``
+    sampler of ``n`` samples at batch 4. After ``at`` batches the size grows to ``grow_to`` (if given); with
+    ``resume`` the run is checkpointed there and a fresh sampler re-enters the same epoch's loop."""
+    s = AdaptiveBatchSampler(n, 4, shuffle=False, drop_last=True)
+    out = []
+    for epoch in range(epochs):
+        s.set_epoch(epoch)
+        for batch in s:
+            out.append((epoch, tuple(batch)))
+            if len(out) != at:
+                continue
+            if resume:
+                state = s.state_dict()
+                s = AdaptiveBatchSampler(n, 4, shuffle=False, drop_last=True)
+                s.load_state_dict(state)
+                s.set_epoch(epoch)
+            if grow_to is not None:
+                s.set_batch_size(grow_to)
+            if resume:
+                out += [(epoch, tuple(b)) for b in s]
+                break
+    return out, s.samples_seen, s.dropped_samples, s.epoch
+
+
 def test_a_standalone_loop_resumed_at_a_tail_to_drop_trains_each_epoch_once():
     # A checkpoint saved right after epoch 0's last full batch: the resumed loop for epoch 0 must end there
     # (it used to drop the tail and yield epoch 1 as "epoch 0", and then set_epoch(1) trained epoch 1 again).
-    def run(resume_after):
-        s = AdaptiveBatchSampler(10, 4, shuffle=False, drop_last=True)
-        out = []
-        for epoch in range(3):
-            s.set_epoch(epoch)
-            for batch in s:
-                out.append((epoch, tuple(batch)))
-                if len(out) == resume_after:
-                    state = s.state_dict()
-                    s = AdaptiveBatchSampler(10, 4, shuffle=False, drop_last=True)
-                    s.load_state_dict(state)
-                    s.set_epoch(epoch)  # the resumed program re-enters the same epoch's loop
-                    out += [(epoch, tuple(b)) for b in s]
-                    break
-        return out, s.samples_seen, s.dropped_samples, s.epoch
-
-    uninterrupted = run(resume_after=0)
+    uninterrupted = _standalone_epochs(10, 3, at=0, resume=False)
     assert uninterrupted[1:] == (24, 6, 3)
-    assert run(resume_after=2) == uninterrupted  # resumed at epoch 0's tail
-    assert run(resume_after=3) == uninterrupted  # mid-epoch, for comparison
+    assert _standalone_epochs(10, 3, at=2, resume=True) == uninterrupted  # resumed at epoch 0's tail
+    assert _standalone_epochs(10, 3, at=3, resume=True) == uninterrupted  # mid-epoch, for comparison
 
 
 def test_set_epoch_past_a_tail_to_drop_counts_it():
@@ -794,25 +803,6 @@ def test_a_size_raised_after_set_epoch_at_a_resumed_position_ends_that_epoch_as_
     # Resumed at offset 8 of 12 (4 left: no tail yet), then the size grows to 8: the 4 left become a tail to
     # drop. The loop set_epoch(0) named must end there, as the uninterrupted run's does when its size grows
     # after the same batch (it used to train epoch 1 inside epoch 0's loop, and then again).
-    def run(resume):
-        s = AdaptiveBatchSampler(12, 4, shuffle=False, drop_last=True)
-        out = []
-        for epoch in range(2):
-            s.set_epoch(epoch)
-            for batch in s:
-                out.append((epoch, tuple(batch)))
-                if len(out) == 2:
-                    if resume:
-                        state = s.state_dict()
-                        s = AdaptiveBatchSampler(12, 4, shuffle=False, drop_last=True)
-                        s.load_state_dict(state)
-                        s.set_epoch(epoch)
-                        s.set_batch_size(8)
-                        out += [(epoch, tuple(b)) for b in s]
-                        break
-                    s.set_batch_size(8)
-        return out, s.samples_seen, s.dropped_samples
-
-    uninterrupted = run(False)
-    assert uninterrupted[1:] == (16, 8)
-    assert run(True) == uninterrupted
+    uninterrupted = _standalone_epochs(12, 2, at=2, resume=False, grow_to=8)
+    assert uninterrupted[1:] == (16, 8, 2)
+    assert _standalone_epochs(12, 2, at=2, resume=True, grow_to=8) == uninterrupted
