@@ -63,7 +63,7 @@ from .controllers.base import (
 from .data.loader import AdaptiveDataLoader, MicroBatch
 from .logs import AdjustmentLog, ProgressBar, TensorBoardSink
 from .lr import AdaScaleLR, LRCoupling, SampleLRSchedule
-from .lr._common import RULES
+from .lr._common import _check_rule
 from .measure import DEFAULT_NOISE_EVERY, GradientNoiseProbe, StepMeter, read_scalars
 from .rng import gather_rng_states, restore_rng_states, set_torch_rng, torch_rng
 
@@ -266,9 +266,7 @@ class Pilot:
         self.min_batch_size, self.max_batch_size = min_batch_size, max_batch_size
         self.on_invalid = on_invalid
         adascale = lr_rule == "adascale"
-        if not (adascale or callable(lr_rule) or lr_rule in RULES):
-            raise ValueError(f"unknown lr_rule {lr_rule!r}; use one of {', '.join(map(repr, (*RULES, 'adascale')))} "
-                             "or a callable batch_ratio -> lr_factor.")
+        _check_rule(lr_rule, "lr_rule", also=("adascale",))  # the message names every rule Pilot takes
         base = batch_size if base_batch_size is None else base_batch_size
         self.coupling = LRCoupling(optimizer, base, rule="none" if adascale else lr_rule,
                                    knee=lr_knee)

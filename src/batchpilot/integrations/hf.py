@@ -297,10 +297,12 @@ class AdaptiveBatchSizeTrainer(Trainer):
             model = self.model
             if model is None:
                 raise ValueError("AdaptiveBatchSizeTrainer has no model to train; pass model= (or model_init=).")
-            run.stats = StepStats([p for p in model.parameters() if p.requires_grad], world_size=self.data_parallel_size,
+            def trainable() -> list[torch.nn.Parameter]:
+                return [p for p in model.parameters() if p.requires_grad]
+
+            run.stats = StepStats(trainable(), world_size=self.data_parallel_size,
                                 accumulation_steps=args.gradient_accumulation_steps, every=self._bp_noise_every,
-                                splits_measured_steps=self._bp_split_measured,
-                                params_of=lambda: [p for p in model.parameters() if p.requires_grad])
+                                splits_measured_steps=self._bp_split_measured, params_of=trainable)
         if self._bp_resume is not None:
             run.load_state_dict(read_state(self._bp_resume))
         self.batchpilot = run

@@ -29,11 +29,12 @@ def _check_stat(value: Any, name: str) -> float:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _check_rule(rule: Any) -> LRRule:
-    if callable(rule) or (isinstance(rule, str) and rule in RULES):
+def _check_rule(rule: Any, name: str = "lr rule", also: tuple[str, ...] = ()) -> LRRule:
+    """``rule`` if it is one of ``RULES`` (or of ``also``, names the caller handles itself) or a callable."""
+    if callable(rule) or (isinstance(rule, str) and rule in RULES + also):
         return rule
     raise ValueError(
-        f"unknown lr rule {rule!r}; use one of {', '.join(map(repr, RULES))} "
+        f"unknown {name} {rule!r}; use one of {', '.join(map(repr, RULES + also))} "
         "or a callable batch_ratio -> lr_factor."
     )
 
