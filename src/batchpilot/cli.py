@@ -1,6 +1,6 @@
 """The ``batchpilot`` command.
 
-    batchpilot bench [--workload mnist1d|digits|seqsum|synthetic|all] [--policies default] [--seeds 0,1,2,3,4]
+    batchpilot bench [--workload mnist1d|digits|seqsum|synthetic|cifar10|cifar100|all] [--policies default] [--seeds 0,1,2,3,4]
                      [--target-accuracy A] [--budget-s S] [--eval-every E] [--out DIR] [--resume] [--quick]
                      [--list]
     batchpilot report LOG.jsonl|results.json --out DIR [--x samples|time]
@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     names = ", ".join(WORKLOADS)
     bench.add_argument("--workload", default="mnist1d",
-                       help=f"one of: {names}, or all (every workload but synthetic). Default: mnist1d. "
+                       help=f"one of: {names}, or all (every workload but synthetic, cifar10 and cifar100). Default: mnist1d. "
                        "See --list.")
     bench.add_argument("--policies", default=None,
                        help=f"comma-separated policies: {POLICY_HELP}. Default: {FULL['policies']} "

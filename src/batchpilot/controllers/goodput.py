@@ -80,7 +80,8 @@ class Goodput:
     At the first call of each new period of ``interval`` steps (not once per epoch, AdaptDL's limit) it
     evaluates ``candidates`` geometrically spaced sizes in ``[min_size, max_size]`` plus the current
     size, and switches to the best only if its goodput exceeds the current size's by more than
-    ``switch_threshold`` (relative; ties go to the smaller size). :attr:`last_table` holds the table of
+    ``switch_threshold`` (relative; ties go to the smaller size), moving at most a factor ``max_change``
+    towards it per decision. It waits until the noise scale rests on ``min_measurements`` measured steps. :attr:`last_table` holds the table of
     the last evaluation for logging. While a required stat is missing, the current size is kept and the
     period is not used up.
 
@@ -91,6 +92,10 @@ class Goodput:
         switch_threshold: Relative improvement needed to switch (Pollux: 0.05).
         interval: Steps between decisions.
         base_size: ``B0`` of the efficiency; default the batch size at the first call.
+        max_change: Most a single decision may multiply or divide the size by (``>= 1``; default 2.0, so the
+            coupled LR changes gradually too); ``None``: jump straight to the best candidate.
+        min_measurements: Measured steps the noise-scale estimate must rest on before the first decision
+            (default 10); 0: decide from the first.
 
     Attributes:
         reason: Why the last call decided what it did (the engine logs it).

@@ -40,7 +40,8 @@ class NoiseScale:
     Reads ``stats/noise_scale`` (``B_simple`` in samples, from the noise-scale estimator). Each call:
 
     1. If the stat is missing, NaN or not positive, keep the current size (the controller never decides
-       before the estimate exists).
+       before the estimate exists); while it rests on fewer than ``min_measurements`` measured steps
+       (``stats/noise_count``), update the EMA but keep the size.
     2. Update an EMA of ``log(B_simple)`` with per-step decay ``smoothing``: the old value keeps weight
        ``smoothing ** (steps since the last update)``, so the time constant (about
        ``1 / (1 - smoothing)`` steps) does not depend on how often the engine calls. The first value
@@ -48,9 +49,11 @@ class NoiseScale:
     3. At the first call of each new period of ``interval`` steps, let ``target = factor * exp(EMA)``
        and ``B`` the current size (clamped to the bounds). Grow when ``target > B * (1 + hysteresis)``;
        shrink (only with ``allow_shrink=True``) when ``target < B / (1 + hysteresis)``; otherwise keep
-       ``B``. A change goes to ``target`` rounded (``round_to``: nearest integer, nearest power of two,
-       or nearest multiple of a quantum) and clamped to ``[min_size, max_size]``; if rounding undoes the
-       move, ``B`` is kept. Between periods, the current size is kept.
+       ``B``. A change goes to ``target`` limited to ``max_change`` (by default at most double or half
+       ``B``), then rounded (``round_to``: nearest integer, nearest power of two, or nearest multiple of a
+       quantum) and clamped to ``[min_size, max_size]``; if rounding undoes the move, ``B`` is kept (with
+       ``round_to``, when no grid point moves within the limit, the next grid point past it is taken).
+       Between periods, the current size is kept.
 
     Args:
         factor: Multiplier of ``B_simple`` (1.0: train at the estimated critical batch size).
@@ -63,6 +66,10 @@ class NoiseScale:
             training; a noisy dip of the estimate then cannot shrink the batch).
         round_to: ``None`` (nearest integer), ``"pow2"`` (nearest power of two in log space) or an int
             quantum (nearest multiple of it, at least one quantum; at most ``max_size``).
+        max_change: Most a single decision may multiply or divide the size by (``>= 1``; default 2.0, so the
+            coupled LR changes gradually too); ``None``: no limit.
+        min_measurements: Measured steps the noise-scale estimate must rest on before the first decision
+            (default 10; early estimates can be orders of magnitude off); 0: decide from the first.
 
     Attributes:
         reason: Why the last call decided what it did (the engine logs it).

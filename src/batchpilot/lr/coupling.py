@@ -197,7 +197,8 @@ class LRCoupling:
         differ = [f"{k}={state[k]!r} there, {v!r} here" for k, v in saved.items() if k in state and state[k] != v]
         if differ:
             raise ValueError(f"this LR coupling state was saved with other settings ({'; '.join(differ)}); build it "
-                             "with the run's own (Pilot(base_batch_size=..., lr_rule=..., lr_knee=...)) before loading.")
+                             "with the run's own (LRCoupling(base_batch_size=..., rule=..., knee=...); in Pilot and the "
+                             "integrations base_batch_size=..., lr_rule=..., lr_knee=...) before loading.")
         self._factor = float(state["factor"])
         self._batch_size = None if state.get("batch_size") is None else int(state["batch_size"])
         self._scaled = bool(state["scaled"])
