@@ -196,6 +196,9 @@ class Pilot:
             grad_clip=lambda: _check_grad_clip(grad_clip),
             controller=lambda: check_controller(controller),
             oom_recovery=lambda: check_bool(oom_recovery, "oom_recovery"),
+            skip_nonfinite=lambda: check_bool(skip_nonfinite, "skip_nonfinite"),
+            progress=lambda: progress is None or check_bool(progress, "progress"),
+            lr_schedulers=lambda: _check_schedulers(lr_schedulers),
         )
         if not problems and checkpoint_every is not None and checkpoint_dir is None:
             problems.append("checkpoint_every is set but checkpoint_dir is None; pass checkpoint_dir=... too.")
@@ -327,19 +330,23 @@ class Pilot:
         self._step_open = False  # a step's first micro-batch was yielded and the step is not finished
         self._oom_error = ""
         self.oom_replays = 0  # steps run again after running out of memory
-        self._step_rng: tuple[torch.Tensor, torch.Tensor | None] | None = None  # at the step's start (oom_recovery)
+        self._step_rng: tuple[torch.Tensor, torch.Tensor | None] | None = None  # torch's RNG at the step's start
         self._step_buffers: list[torch.Tensor] = []  # the module's buffers at the step's start (oom_recovery)
         self._overhead_clean = False  # whether this step's time outside its micro-batches is a fair sample
         self._rewinds_seen = self.loader.rewinds
-        if oom_recovery:  # a step run again draws what one that fitted at once did (augmentation, dropout)
-            self.loader.on_step_start = self._snapshot_step
+        # A step run again (after running out of memory, or after the loop left it unfinished) draws what one
+        # run once did (augmentation, dropout).
+        self.loader.on_step_start = self._snapshot_step
         self._step_clock = time.perf_counter()
 
     # ------------------------------------------------------------------ properties
     @property
     def batch_size(self) -> int:
-        """Global batch size of the next step."""
-        return self._override if self._override is not None else self.loader.batch_size
+        """Global batch size of the next step (inside a step, a :meth:`set_batch_size` made in it; between
+        steps, after a loop left a step unfinished, that step's own size: it runs again first)."""
+        if self._micro is not None and self._override is not None:
+            return self._override
+        return self.loader.batch_size
 
     @property
     def epoch(self) -> int:
@@ -368,6 +375,8 @@ class Pilot:
 
     def add_callback(self, fn: StepCallback) -> None:
         """Call ``fn(pilot, record)`` after every step (on every rank), e.g. to evaluate."""
+        if not callable(fn):
+            raise TypeError(f"add_callback() takes a function fn(pilot, record), got {fn!r}.")
         self._callbacks.append(fn)
 
     def set_batch_size(self, batch_size: int) -> None:
@@ -482,10 +491,12 @@ class Pilot:
         self.coupling.scale(self.loader.next_step_size())
 
     def _snapshot_step(self) -> None:
-        """What a replayed step must start from again: the RNG, and the buffers the failed attempt's forwards
-        may have moved (BatchNorm's running statistics)."""
+        """What a replayed step must start from again: torch's RNG (about a microsecond), and with
+        ``oom_recovery`` the buffers the failed attempt's forwards may have moved (BatchNorm's running
+        statistics; a clone per step, so only where a replay is expected)."""
         self._step_rng = torch_rng(self.device)
-        self._step_buffers = [b.detach().clone() for b in self._module.buffers()]
+        if self.oom_recovery:
+            self._step_buffers = [b.detach().clone() for b in self._module.buffers()]
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -495,9 +506,17 @@ class Pilot:
     def _discard_open_step(self) -> None:
         """The loop was left inside a step (a ``break`` or an exception in the loop body, even right after
         the last micro-batch's backward, since the step runs when the loop asks for the next micro-batch):
-        drop its partial gradients and rewind the data to the step's start, so that the next
-        :meth:`batches` (or a checkpoint saved now) runs the whole step again and counts nothing twice."""
+        drop its partial gradients, rewind the data and torch's RNG to the step's start (with ``oom_recovery``
+        the module's buffers too), so that the next :meth:`batches` (or a checkpoint saved now) runs the whole
+        step again as if it had never started and counts nothing twice."""
         self._zero_grad()
+        if self._step_rng is not None:
+            set_torch_rng(self._step_rng, self.device)
+            self._step_rng = None
+        if self.oom_recovery:
+            with torch.no_grad():
+                for buffer, saved in zip(self._module.buffers(), self._step_buffers):
+                    buffer.copy_(saved)
         self._micro_losses.clear()
         self._meter.discard_step()
         self._oom_size = None
@@ -919,6 +938,8 @@ class Pilot:
                 "throughput": self._throughput,
                 "world_size": self.world_size,
                 "optimizer_class": class_name(self.optimizer),
+                "lr_scheduler_classes": [class_name(s) for s in self.lr_schedulers],
+                "override": self._override,  # a set_batch_size() made in a step the loop then left unfinished
             },
             **{key: None if obj is None else obj.state_dict() for key, obj in self._components().items()},
             "lr_schedulers": [s.state_dict() for s in self.lr_schedulers],
@@ -934,44 +955,94 @@ class Pilot:
                 class or parameter groups, dataset size, seed or shuffling, or other LR schedulers. All
                 problems are listed, and nothing is loaded.
         """
+        if self._micro is not None:
+            raise RuntimeError("load_state_dict() was called in the middle of a step; call it between steps "
+                               "(before the loop, after it, or from a callback added with add_callback).")
+        shape = _state_shape_problem(state)
+        if shape is not None:
+            raise CheckpointError(shape)
         problems = fit_problems(state, model=self._module, optimizer=self.optimizer, sampler=self.loader.sampler)
         if self._log is not None and state["log_position"] is not None:
             problem = self._log.resume_problem(state["log_position"])
             if problem is not None:
                 problems.append(problem)
-        if len(state["lr_schedulers"]) != len(self.lr_schedulers):
-            problems.append(
-                f"the checkpoint has {len(state['lr_schedulers'])} LR schedulers but this Pilot has "
-                f"{len(self.lr_schedulers)}; build the Pilot with the same lr_schedulers."
-            )
+        problems += self._scheduler_problems(state)
         problems += self._trial_load_problems(state)
         if self.world_size > 1 and bpdist.all_reduce_min_int(0 if problems else 1) == 0 and not problems:
             problems.append("another rank refused it (rank 0 checks the adjustment log; see its error)")
         if problems:
             raise CheckpointError("the checkpoint does not fit this Pilot (nothing was loaded):\n  - "
                                   + "\n  - ".join(problems))
+        self._warn_about_features(state)
         in_loop = self.coupling.is_scaled  # loaded between steps of batches() (from a callback)
         drop_last, micro = self.loader.sampler.drop_last, self.loader.max_micro_batch_size  # this Pilot's
+        noise_every = None if self._noise is None else self._noise.every
         if in_loop:
             self.coupling.unscale()
-        p = state["pilot"]
-        self.step, self.samples_seen, self.skipped_steps = int(p["step"]), int(p["samples_seen"]), int(p["skipped_steps"])
-        self._losses = collections.deque(p["losses"], maxlen=self._losses.maxlen)
-        self._throughput = p["throughput"]
-        for key, obj in self._components().items():
-            if obj is not None and state.get(key) is not None:
-                obj.load_state_dict(state[key])
-        for scheduler, s in zip(self.lr_schedulers, state["lr_schedulers"]):
-            scheduler.load_state_dict(s)
-        self._keep_own_settings(drop_last, micro)
+        try:
+            p = state["pilot"]
+            self.step, self.samples_seen = int(p["step"]), int(p["samples_seen"])
+            self.skipped_steps = int(p["skipped_steps"])
+            self._losses = collections.deque(p["losses"], maxlen=self._losses.maxlen)
+            self._throughput = p["throughput"]
+            self._override = p.get("override")
+            for key, obj in self._components().items():
+                if obj is not None and state.get(key) is not None:
+                    obj.load_state_dict(state[key])
+            for scheduler, s in zip(self.lr_schedulers, state["lr_schedulers"]):
+                scheduler.load_state_dict(s)
+            restore_rng_states(state["rng"], self.rank, self.world_size, self.device)
+        except Exception as exc:  # the checks above passed, so this is a damaged state: say what it did
+            raise CheckpointError(
+                f"the checkpoint passed every check but failed while loading ({type(exc).__name__}: {exc}); this "
+                "Pilot is now partly loaded: build it again and load an earlier checkpoint."
+            ) from exc
+        self._keep_own_settings(drop_last, micro, noise_every)
         self._dropped_reported = self.loader.sampler.dropped_samples
-        restore_rng_states(state["rng"], self.rank, self.world_size, self.device)
         if self._log is not None and state["log_position"] is not None:
             self._log.truncate(state["log_position"])
         if self._tb is not None:
             self._tb.resume_after(self.samples_seen)
         if in_loop:  # the loop goes on with the loaded position: its next step's LR factor
             self._rescale_lr()
+
+    def _scheduler_problems(self, state: dict[str, Any]) -> list[str]:
+        """Why the checkpoint's LR scheduler states do not fit this Pilot's schedulers (empty: they do): another
+        number or class (recorded since this check exists), or a state that does not load into a copy."""
+        saved, here = state["lr_schedulers"], self.lr_schedulers
+        if len(saved) != len(here):
+            return [f"the checkpoint has {len(saved)} LR schedulers but this Pilot has {len(here)}; build the "
+                    "Pilot with the same lr_schedulers."]
+        classes = state["pilot"].get("lr_scheduler_classes")
+        names = [class_name(s) for s in here]
+        if classes is not None and list(classes) != names:
+            return [f"the checkpoint's LR schedulers are {list(classes)}, this Pilot's {names}; build the Pilot "
+                    "with the same lr_schedulers, in the same order."]
+        problems = []
+        for i, (scheduler, s) in enumerate(zip(here, saved)):
+            try:  # torch's schedulers take any dict (__dict__.update): check the keys the copy would need
+                trial = copy.deepcopy(scheduler, {id(self.optimizer): self.optimizer})
+                before = set(vars(trial))
+                trial.load_state_dict(s)
+            except Exception as exc:
+                problems.append(f"LR scheduler {i} ({names[i]}) does not load its state ({type(exc).__name__}: {exc})")
+                continue
+            missing = sorted(k for k in before - set(s) if not k.startswith("_") and k != "optimizer")
+            if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) and missing:
+                problems.append(f"LR scheduler {i} ({names[i]}): the checkpoint's state lacks {missing}; build the "
+                                "Pilot with the schedulers of the run that saved it.")
+        return problems
+
+    def _warn_about_features(self, state: dict[str, Any]) -> None:
+        """Warn when the checkpoint's run had a feature this Pilot lacks, or the other way round (fp16 loss
+        scaling, AdaScale, statistics-based clipping): the resumed run then trains differently."""
+        for key, what in (("scaler", "amp='fp16' (a GradScaler)"), ("adascale", "lr_rule='adascale'"),
+                          ("stats_clip", "grad_clip='stats'")):
+            saved, here = state.get(key) is not None, self._components()[key] is not None
+            if saved != here:
+                logger.warning("the checkpoint was saved %s %s, this Pilot runs %s it; the resumed run trains "
+                               "differently from the one that saved it", "with" if saved else "without", what,
+                               "with" if here else "without")
 
     def _trial_load_problems(self, state: dict[str, Any]) -> list[str]:
         """Load the controller's and the LR rules' states into copies first: one saved by another controller
@@ -992,10 +1063,24 @@ class Pilot:
                                 f"({type(exc).__name__}: {exc})")
         return problems
 
-    def _keep_own_settings(self, drop_last: bool, micro: int | None) -> None:
-        """After loading: ``drop_last`` is this Pilot's, and the micro-batch bound the smaller of this Pilot's
-        and the checkpoint's (which out-of-memory recovery may have lowered); a change is logged."""
+    def _keep_own_settings(self, drop_last: bool, micro: int | None, noise_every: int | None) -> None:
+        """After loading: ``drop_last`` and the batch size bounds are this Pilot's, the micro-batch bound the
+        smaller of this Pilot's and the checkpoint's (which out-of-memory recovery may have lowered), and the
+        noise-scale period the checkpoint's (its estimate's smoothing was built for it); a change is logged."""
         sampler, loader = self.loader.sampler, self.loader
+        if self._noise is not None and noise_every is not None and self._noise.every != noise_every:
+            logger.warning("this Pilot has noise_every=%d, but the checkpoint's run measured the noise scale every %d "
+                           "steps; continuing with %d, so its estimate goes on as it was saved",
+                           noise_every, self._noise.every, self._noise.every)
+        size = loader.batch_size
+        new, note = validate_decision(size, current=size, min_size=self.min_batch_size, max_size=self.max_batch_size,
+                                      source="the checkpoint's batch size")
+        if new != size:
+            logger.warning("the checkpoint's batch size %d lies outside this Pilot's [min_batch_size=%s, "
+                           "max_batch_size=%s]; continuing with %d", size, self.min_batch_size, self.max_batch_size,
+                           new)
+            self._log_decision(size, new, "user", note or "clamped to the bounds after loading", self.last_record)
+            loader.set_batch_size(new)
         if sampler.drop_last != drop_last:
             logger.warning("the checkpoint was saved with drop_last=%s; continuing with this Pilot's drop_last=%s",
                            sampler.drop_last, drop_last)
@@ -1013,12 +1098,19 @@ class Pilot:
     def save_checkpoint(self, path: str | os.PathLike | None = None) -> Path | None:
         """Save :meth:`state_dict` atomically (rank 0 writes; every rank must call).
 
-        ``path`` defaults to ``checkpoint_dir/step-<step>.pt``; older files beyond ``keep_checkpoints``
-        in ``checkpoint_dir`` are removed. Returns the path on rank 0, ``None`` elsewhere."""
+        ``path`` defaults to ``checkpoint_dir/step-<step>.pt``; a folder (one that exists, or a path ending in a
+        separator) gets ``step-<step>.pt`` inside it, as :meth:`load_checkpoint` reads folders. Older files
+        beyond ``keep_checkpoints`` in ``checkpoint_dir`` are removed. Returns the path on rank 0, ``None``
+        elsewhere."""
+        if self._micro is not None:  # before the LR factor is touched: a caught error leaves the step as it was
+            raise RuntimeError("save_checkpoint() was called in the middle of a step; call it between steps "
+                               "(after the loop, or from a callback added with add_callback).")
         if path is None:
             if self.checkpoint_dir is None:
                 raise ValueError("save_checkpoint() needs a path, or a Pilot built with checkpoint_dir=...")
             path = checkpoint_path(self.checkpoint_dir, self.step)
+        elif Path(path).is_dir() or str(path).endswith((os.sep, "/")):
+            path = checkpoint_path(path, self.step)
         scaled = self.coupling.is_scaled
         if scaled:  # store the schedule's own LR: batches() re-applies the factor of the loaded batch size
             self.coupling.unscale()
@@ -1059,7 +1151,9 @@ class Pilot:
         return path
 
     def close(self) -> None:
-        """Flush and close the log and TensorBoard writer, and stop the loader's worker processes."""
+        """Flush and close the log and TensorBoard writer, and stop the loader's worker processes.
+
+        The Pilot stays usable: a later :meth:`batches` starts new workers and reopens the log (appending)."""
         self.loader.close()
         if self._log is not None:
             self._log.close()
@@ -1079,6 +1173,25 @@ _OOM_TYPES = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr
                    if t is not None)
 
 
+_STATE_KEYS = ("pilot", "model", "optimizer", "loader", "lr_schedulers", "rng", "log_position")
+_PILOT_KEYS = ("step", "samples_seen", "skipped_steps", "losses", "throughput")
+
+
+def _state_shape_problem(state: Any) -> str | None:
+    """Why ``state`` is not a :meth:`Pilot.state_dict` at all (``None``: it has the keys one has)."""
+    if not isinstance(state, dict):
+        return (f"a Pilot state is a dict from Pilot.state_dict(), got {type(state).__name__}; "
+                "pass what Pilot.state_dict() returned (or use load_checkpoint(path)).")
+    missing = [k for k in _STATE_KEYS if k not in state]
+    pilot = state.get("pilot")
+    missing += [f"pilot.{k}" for k in _PILOT_KEYS if isinstance(pilot, dict) and k not in pilot]
+    if missing or not isinstance(pilot, dict):
+        return (f"this is not a Pilot state (it lacks {', '.join(missing) or 'a pilot dict'}; keys: "
+                f"{sorted(map(str, state))[:8]}); pass what Pilot.state_dict() returned, not a model's or "
+                "optimizer's state_dict.")
+    return None
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` is an allocator running out of memory (``torch.OutOfMemoryError`` on CUDA, or a
     ``RuntimeError`` saying so from another backend or the CPU allocator)."""
@@ -1086,6 +1199,18 @@ def is_out_of_memory(exc: BaseException) -> bool:
         return True
     message = str(exc).lower()
     return isinstance(exc, RuntimeError) and ("out of memory" in message or "can't allocate memory" in message)
+
+
+def _check_schedulers(schedulers: Any) -> None:
+    """``lr_schedulers`` holds LR schedulers: objects with ``step()``, ``state_dict()`` and ``load_state_dict()``
+    (torch's, batchpilot's sample schedules, or your own), stepped once per step."""
+    if isinstance(schedulers, (str, bytes)) or not isinstance(schedulers, Sequence):
+        raise TypeError(f"lr_schedulers must be a list of LR schedulers, got {schedulers!r}; wrap one in a list.")
+    for i, s in enumerate(schedulers):
+        lacks = [m for m in ("step", "state_dict", "load_state_dict") if not callable(getattr(s, m, None))]
+        if lacks:
+            raise TypeError(f"lr_schedulers[{i}] is {s!r}, which has no {', '.join(m + '()' for m in lacks)}: pass LR schedulers "
+                            "(torch.optim.lr_scheduler or batchpilot.lr schedules) built on this Pilot's optimizer.")
 
 
 def _check_grad_clip(value: Any) -> None:

@@ -55,19 +55,27 @@ class AdjustmentLog:
         if len(self._buffer) >= self.flush_every:
             self.flush()
 
+    def _opened(self) -> Any:
+        """The file, opened again (for appending) if :meth:`close` closed it: a closed log still takes records."""
+        if self._file.closed:
+            self._file = open(self.path, "a", encoding="utf-8")
+        return self._file
+
     def flush(self) -> None:
         """Write buffered lines to disk."""
         if self._buffer:
-            self._file.write("\n".join(self._buffer) + "\n")
+            self._opened().write("\n".join(self._buffer) + "\n")
             self._buffer.clear()
-        self._file.flush()
+        if not self._file.closed:
+            self._file.flush()
 
     def position(self) -> int:
         """Byte offset after the last record (flushes and syncs first): stored in checkpoints, so the records
         it counts are on disk before the checkpoint is."""
         self.flush()
-        os.fsync(self._file.fileno())
-        return self._file.tell()
+        file = self._opened()
+        os.fsync(file.fileno())
+        return file.tell()
 
     def resume_problem(self, position: int) -> str | None:
         """Why the log cannot be cut back to ``position`` (a checkpoint's), or ``None``: a log with at least
@@ -87,11 +95,12 @@ class AdjustmentLog:
             raise ValueError(problem)
         if self.path.stat().st_size == 0:
             return
-        self._file.truncate(position)
-        self._file.seek(position)
+        file = self._opened()
+        file.truncate(position)
+        file.seek(position)
 
     def close(self) -> None:
-        """Flush and close the file."""
+        """Flush and close the file (a later record opens it again)."""
         if not self._file.closed:
             self.flush()
             self._file.close()

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate, get_worker_info
 
-from .._validation import check_batch_size, check_positive_int
+from .._validation import check_batch_size, check_bool, check_positive_int
 from .sampler import AdaptiveBatchSampler, share_bounds
 
 
@@ -275,6 +275,13 @@ class AdaptiveDataLoader:
                 "decide how a step is split; pass only one of them."
             )
         self.num_workers = check_positive_int(num_workers, "num_workers", minimum=0)
+        if collate_fn is not None and not callable(collate_fn):
+            raise TypeError(f"collate_fn must be a function from a list of samples to a batch, got {collate_fn!r}; "
+                            "pass None for torch's default_collate.")
+        if prefetch_factor is not None and self.num_workers == 0:
+            raise ValueError(f"prefetch_factor={prefetch_factor!r} needs worker processes (num_workers > 0): without "
+                             "them nothing is prefetched; pass num_workers=N or leave prefetch_factor at None.")
+        check_bool(pin_memory, "pin_memory")
         extra = dict(dataloader_kwargs or {})
         clash = sorted(set(extra) & _OWN_LOADER_KWARGS)
         if extra.get("in_order", True) is not True:  # data would meet another micro-batch's planned indices

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import check_batch_size, check_positive_int
+from .._validation import check_batch_size, check_bool, check_positive_int
 
 logger = logging.getLogger("batchpilot")
 
@@ -93,8 +93,8 @@ class AdaptiveBatchSampler:
                 f"rank={self.rank} must be < world_size={self.world_size}; ranks count from 0."
             )
         self.seed = check_positive_int(seed, "seed", minimum=0)
-        self.shuffle = bool(shuffle)
-        self.drop_last = bool(drop_last)
+        self.shuffle = check_bool(shuffle, "shuffle")
+        self.drop_last = check_bool(drop_last, "drop_last")
         self.epoch = 0
         self.offset = 0
         self.samples_seen = 0

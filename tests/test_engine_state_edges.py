@@ -1,0 +1,246 @@
+"""Pilot state at the edges: a step the loop left unfinished, a pending set_batch_size(), loads and saves in the
+wrong place, checkpoints of differently built runs, a closed Pilot, and arguments that are not what they seem."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import batchpilot
+from batchpilot.lr import SampleLRSchedule
+
+
+def make_problem(n: int = 96, dropout: float = 0.0, batchnorm: bool = False):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 6, generator=g, dtype=torch.float64)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(6, 16)]
+    if batchnorm:
+        layers.append(torch.nn.BatchNorm1d(16))
+    layers.append(torch.nn.Tanh())
+    if dropout:
+        layers.append(torch.nn.Dropout(dropout))
+    layers.append(torch.nn.Linear(16, 2))
+    return TensorDataset(x, y), torch.nn.Sequential(*layers).double()
+
+
+def build(**kwargs):
+    ds, model = make_problem(dropout=kwargs.pop("dropout", 0.0), batchnorm=kwargs.pop("batchnorm", False))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    settings = dict(batch_size=12, max_micro_batch_size=4, progress=False, seed=3)
+    return model, batchpilot.Pilot(model, opt, ds, **{**settings, **kwargs})
+
+
+def train(pilot, model, steps, stop=None, sizes=None):
+    """Train to ``steps``; ``stop(pilot)`` True after a backward leaves the loop there (inside the step)."""
+    for x, y in pilot.batches(max_steps=steps):
+        if sizes is not None and pilot.micro_batch.micro_index == 0:
+            sizes.append(pilot.micro_batch.global_size)
+        with pilot.micro_step():  # needed with oom_recovery, a no-op without
+            pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+        if stop is not None and stop(pilot):
+            break
+
+
+def state_of(model):
+    return [t.detach().clone() for t in model.state_dict().values()]
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def in_step_two(pilot):
+    return pilot.step == 2 and pilot.micro_batch.micro_index == 1
+
+
+@pytest.mark.parametrize("options", [dict(dropout=0.5), dict(dropout=0.5, batchnorm=True, oom_recovery=True)])
+def test_a_step_left_unfinished_runs_again_with_the_same_random_draws(tmp_path, options):
+    """Leaving the loop inside a step rewinds torch's RNG to the step's start (dropout draws again what the
+    uninterrupted run drew), and with oom_recovery the module's buffers (BatchNorm's running statistics)."""
+    model, pilot = build(**options)
+    train(pilot, model, 6)
+    reference = state_of(model)
+
+    model, pilot = build(**options)
+    train(pilot, model, 6, stop=in_step_two)
+    assert pilot.step == 2
+    pilot.save_checkpoint(tmp_path / "left.pt")
+    train(pilot, model, 6)  # in the same process
+    assert same(state_of(model), reference)
+
+    model, pilot = build(**options)
+    pilot.load_checkpoint(tmp_path / "left.pt")
+    train(pilot, model, 6)  # in a new Pilot from the checkpoint
+    assert same(state_of(model), reference)
+
+
+def test_a_pending_set_batch_size_is_saved_and_a_load_replaces_it(tmp_path):
+    def set_and_leave(pilot):
+        if pilot.step == 2 and pilot.micro_batch.is_last:
+            pilot.set_batch_size(20)
+            assert pilot.batch_size == 20  # inside the step: the next step's size
+            return True
+        return False
+
+    model, pilot = build(batch_size=8, max_micro_batch_size=None)
+    train(pilot, model, 10, stop=set_and_leave)
+    assert pilot.batch_size == 8  # between steps: the unfinished step runs again first, at its own size
+    pilot.save_checkpoint(tmp_path / "pending.pt")
+    continued: list[int] = []
+    train(pilot, model, 6, sizes=continued)
+    assert continued == [8, 20, 20, 20]
+
+    model, resumed = build(batch_size=8, max_micro_batch_size=None)
+    resumed.load_checkpoint(tmp_path / "pending.pt")
+    sizes: list[int] = []
+    train(resumed, model, 6, sizes=sizes)
+    assert sizes == continued
+
+    model, other = build(batch_size=8, max_micro_batch_size=None)
+    other.save_checkpoint(tmp_path / "plain.pt")  # step 0, nothing pending
+    train(other, model, 10, stop=set_and_leave)
+    other.load_checkpoint(tmp_path / "plain.pt")  # the stale 20 goes with the state it belonged to
+    sizes = []
+    train(other, model, 3, sizes=sizes)
+    assert sizes == [8, 8, 8]
+
+
+def test_loading_or_saving_inside_a_step_is_refused_and_changes_nothing(tmp_path):
+    model, pilot = build(lr_rule="linear", base_batch_size=4)
+    pilot.save_checkpoint(tmp_path / "start.pt")
+    for x, y in pilot.batches(max_steps=3):
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+        if pilot.step == 1 and pilot.micro_batch.micro_index == 0:
+            lr = pilot.optimizer.param_groups[0]["lr"]
+            with pytest.raises(RuntimeError, match=r"save_checkpoint\(\) was called in the middle of a step"):
+                pilot.save_checkpoint(tmp_path / "mid.pt")
+            with pytest.raises(RuntimeError, match=r"load_state_dict\(\) was called in the middle of a step"):
+                pilot.load_checkpoint(tmp_path / "start.pt")
+            assert pilot.optimizer.param_groups[0]["lr"] == lr == pytest.approx(0.3)  # the step's own LR
+    assert pilot.step == 3 and not (tmp_path / "mid.pt").exists()
+
+
+def _with_schedulers(kind):
+    ds, model = make_problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    schedulers = {"step": [torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)],
+                  "cosine": [torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)],
+                  "samples": [SampleLRSchedule(opt, lambda s: 1.0 / (1 + s / 100))]}[kind]
+    return model, batchpilot.Pilot(model, opt, ds, batch_size=8, progress=False, lr_schedulers=schedulers)
+
+
+@pytest.mark.parametrize("saved, loaded", [("step", "cosine"), ("samples", "step"), ("step", "samples")])
+def test_other_lr_schedulers_are_refused_before_anything_loads(tmp_path, saved, loaded):
+    model, pilot = _with_schedulers(saved)
+    train(pilot, model, 3)
+    path = pilot.save_checkpoint(tmp_path / "s.pt")
+    model, other = _with_schedulers(loaded)
+    weights = state_of(model)
+    with pytest.raises(batchpilot.CheckpointError, match="(?s)nothing was loaded.*LR schedulers are"):
+        other.load_checkpoint(path)
+    assert other.step == 0 and same(state_of(model), weights)
+    # A checkpoint from before the classes were recorded: the state itself is checked against a copy.
+    state = batchpilot.checkpoint.load_checkpoint(path)
+    del state["pilot"]["lr_scheduler_classes"]
+    if {saved, loaded} == {"step", "cosine"}:  # torch's schedulers share most keys: T_max is what cosine lacks
+        with pytest.raises(batchpilot.CheckpointError, match=r"LR scheduler 0 \(.*CosineAnnealingLR\).*T_max"):
+            other.load_state_dict(state)
+    else:
+        with pytest.raises(batchpilot.CheckpointError, match="LR scheduler 0"):
+            other.load_state_dict(state)
+    assert other.step == 0 and same(state_of(model), weights)
+
+
+def test_a_state_that_is_not_a_pilot_state_gets_a_clear_error():
+    model, pilot = build()
+    with pytest.raises(batchpilot.CheckpointError, match="not a Pilot state .*lacks pilot, model"):
+        pilot.load_state_dict(model.state_dict())
+    with pytest.raises(batchpilot.CheckpointError, match="a Pilot state is a dict"):
+        pilot.load_state_dict([1, 2])  # type: ignore[arg-type]
+    state = pilot.state_dict()
+    del state["pilot"]["samples_seen"]
+    with pytest.raises(batchpilot.CheckpointError, match="pilot.samples_seen"):
+        pilot.load_state_dict(state)
+
+
+def test_a_loaded_batch_size_outside_this_pilots_bounds_is_clamped(tmp_path, caplog):
+    model, pilot = build(batch_size=32, max_micro_batch_size=None)
+    train(pilot, model, 2)
+    path = pilot.save_checkpoint(tmp_path / "big.pt")
+    model, bounded = build(batch_size=8, max_batch_size=16, max_micro_batch_size=None, log_path=tmp_path / "log.jsonl")
+    with caplog.at_level(logging.WARNING, logger="batchpilot"):
+        bounded.load_checkpoint(path)
+    assert "batch size 32 lies outside" in caplog.text
+    sizes: list[int] = []
+    train(bounded, model, 4, sizes=sizes)
+    assert sizes == [16, 16]
+    bounded.close()
+    decisions = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()
+                 if '"decision"' in line]
+    assert decisions[0]["old_size"] == 32 and decisions[0]["new_size"] == 16
+
+
+def test_resuming_without_a_feature_the_run_had_warns(tmp_path, caplog):
+    model, pilot = build(lr_rule="adascale", noise_every=2)
+    train(pilot, model, 2)
+    path = pilot.save_checkpoint(tmp_path / "ada.pt")
+    model, plain = build()
+    with caplog.at_level(logging.WARNING, logger="batchpilot"):
+        plain.load_checkpoint(path)
+    assert "saved with lr_rule='adascale', this Pilot runs without it" in caplog.text
+    caplog.clear()
+    model, other_period = build(lr_rule="adascale", noise_every=8)
+    with caplog.at_level(logging.WARNING, logger="batchpilot"):
+        other_period.load_checkpoint(path)
+    assert "noise_every=8, but the checkpoint's run measured the noise scale every 2 steps" in caplog.text
+    assert other_period._noise is not None and other_period._noise.every == 2
+
+
+def test_save_checkpoint_into_a_folder(tmp_path):
+    model, pilot = build()
+    train(pilot, model, 2)
+    (tmp_path / "existing").mkdir()
+    assert pilot.save_checkpoint(tmp_path / "existing") == tmp_path / "existing" / "step-000000002.pt"
+    assert pilot.save_checkpoint(f"{tmp_path / 'new'}/") == tmp_path / "new" / "step-000000002.pt"
+    model, resumed = build()
+    assert resumed.load_checkpoint(tmp_path / "new") == tmp_path / "new" / "step-000000002.pt"
+    assert resumed.step == 2
+
+
+def test_a_closed_pilot_keeps_training_and_logging(tmp_path):
+    model, pilot = build(log_path=tmp_path / "log.jsonl")
+    train(pilot, model, 2)
+    pilot.close()
+    train(pilot, model, 4)
+    path = pilot.save_checkpoint(tmp_path / "after-close.pt")
+    pilot.close()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "log.jsonl").read_text().splitlines()
+             if '"type": "step"' in line]
+    assert steps == [1, 2, 3, 4] and path.is_file()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(shuffle="False"), "shuffle must be True or False, got 'False'"),
+    (dict(drop_last="no"), "drop_last must be True or False"),
+    (dict(skip_nonfinite="off"), "skip_nonfinite must be True or False"),
+    (dict(progress="yes"), "progress must be True or False"),
+    (dict(prefetch_factor=4), "prefetch_factor=4 needs worker processes"),
+    (dict(collate_fn=3), "collate_fn must be a function"),
+    (dict(lr_schedulers=[lambda: None]), r"lr_schedulers\[0\] .* has no step\(\), state_dict\(\), load_state_dict"),
+    (dict(lr_schedulers="cosine"), "lr_schedulers must be a list"),
+])
+def test_arguments_that_are_not_what_they_seem_are_refused(kwargs, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        build(**kwargs)
+
+
+def test_add_callback_refuses_what_it_cannot_call():
+    _, pilot = build()
+    with pytest.raises(TypeError, match=r"add_callback\(\) takes a function"):
+        pilot.add_callback(3)  # type: ignore[arg-type]
