@@ -736,10 +736,32 @@ def test_resume_with_drop_last_or_from_the_final_checkpoint_trains_nothing_extra
     checkpoints = sorted(tmp_path.glob("full/checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     for checkpoint in (checkpoints[1], checkpoints[-1]):  # mid-run (step 4), and the final one
         done = int(checkpoint.name.split("-")[1])
-        resumed, resumed_weights = run(str(checkpoint), tmp_path / f"from-{done}")
+        # Trainer takes a path as str or pathlib.Path; the batchpilot state must come along either way.
+        resume = checkpoint if checkpoint == checkpoints[1] else str(checkpoint)
+        resumed, resumed_weights = run(resume, tmp_path / f"from-{done}")
         assert [(s.global_size, s.indices.tolist()) for s in resumed] == [
             (s.global_size, s.indices.tolist()) for s in full[done:]]
         assert all(torch.equal(a, b) for a, b in zip(weights, resumed_weights))
+
+
+def test_a_run_whose_last_tail_is_dropped_still_saves_and_evaluates_at_its_end(tmp_path):
+    """With a "steps" strategy Trainer saves and evaluates after the last step; with drop_last the run ends
+    before every sample is counted (the tail is dropped), and must end the same way."""
+    evaluated = []
+
+    class Evaluations(TrainerCallback):
+        def on_evaluate(self, args, state, control, **kwargs):
+            evaluated.append(state.global_step)
+
+    trainer = AdaptiveBatchSizeTrainer(
+        model=Recorder(), train_dataset=PointSet(100), eval_dataset=PointSet(20, seed=1), callbacks=[Evaluations()],
+        args=quiet_args(tmp_path, per_device_train_batch_size=32, num_train_epochs=2, dataloader_drop_last=True,
+                        save_strategy="steps", save_steps=4, eval_strategy="steps", eval_steps=4, **exact_sgd()),
+    )
+    trainer.train()
+    assert trainer.state.global_step == 6  # 3 steps of 32 per epoch, 4 samples dropped each time
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
+    assert evaluated == [4, 6]
 
 
 def test_sync_each_batch_is_refused_only_where_it_breaks_the_statistics(tmp_path):

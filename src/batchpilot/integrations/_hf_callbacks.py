@@ -55,8 +55,9 @@ class BatchpilotCallback(TrainerCallback):
         if trainer._bp_grad_norm is not None:
             stats["grad/norm"] = trainer._bp_grad_norm
         run.decide(stats)
-        if run.total_samples is not None and run.samples_seen >= run.total_samples and not control.should_training_stop:
-            # num_train_epochs reached: stop as Trainer does at max_steps (final save/eval on a steps strategy).
+        if trainer._bp_finished(run) and not control.should_training_stop:
+            # num_train_epochs reached (all samples, or all but a tail drop_last drops): stop as Trainer does
+            # at max_steps, with the final save/eval of a steps strategy.
             control.should_training_stop = True
             if args.save_strategy == "steps":
                 control.should_save = True

@@ -229,8 +229,10 @@ class AdaptiveBatchSizeTrainer(Trainer):
         return driver
 
     # ------------------------------------------------------------------ training entry
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+    def train(self, resume_from_checkpoint: str | os.PathLike | bool | None = None, *args: Any, **kwargs: Any):
         """``Trainer.train``; a resumed run also restores the data position, sizes and controller."""
+        if isinstance(resume_from_checkpoint, os.PathLike):  # Trainer takes a Path too: so must our state
+            resume_from_checkpoint = os.fspath(resume_from_checkpoint)
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
