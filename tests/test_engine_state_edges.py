@@ -3,6 +3,7 @@ wrong place, checkpoints of differently built runs, a closed Pilot, and argument
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 
@@ -155,6 +156,33 @@ def test_other_lr_schedulers_are_refused_before_anything_loads(tmp_path, saved, 
         with pytest.raises(batchpilot.CheckpointError, match="LR scheduler 0"):
             other.load_state_dict(state)
     assert other.step == 0 and same(state_of(model), weights)
+
+
+@pytest.mark.parametrize("kind", ["cyclic", "sequential", "onecycle", "lambda"])
+def test_a_run_resumes_with_each_kind_of_torch_scheduler(kind):
+    """The schedulers' states are tried on copies first: one that pops keys from the dict it loads (CyclicLR)
+    must still load for real afterwards."""
+    from torch.optim import lr_scheduler as lrs
+
+    def make():
+        ds, model = make_problem()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        scheduler = {"cyclic": lambda: lrs.CyclicLR(opt, 0.01, 0.1, step_size_up=4),
+                     "sequential": lambda: lrs.SequentialLR(opt, [lrs.LinearLR(opt, 0.1, total_iters=3),
+                                                                  lrs.ExponentialLR(opt, 0.9)], milestones=[3]),
+                     "onecycle": lambda: lrs.OneCycleLR(opt, max_lr=0.1, total_steps=100),
+                     "lambda": lambda: lrs.LambdaLR(opt, lambda e: 0.9 ** e)}[kind]()
+        return model, batchpilot.Pilot(model, opt, ds, batch_size=8, progress=False, lr_schedulers=[scheduler])
+
+    model, pilot = make()
+    train(pilot, model, 5)
+    state = copy.deepcopy(pilot.state_dict())  # as torch.save would: the model's tensors are live
+    train(pilot, model, 9)
+    model2, resumed = make()
+    resumed.load_state_dict(state)
+    train(resumed, model2, 9)
+    assert resumed.optimizer.param_groups[0]["lr"] == pilot.optimizer.param_groups[0]["lr"]
+    assert same(state_of(model2), state_of(model))
 
 
 def test_a_state_that_is_not_a_pilot_state_gets_a_clear_error():

@@ -1023,7 +1023,7 @@ class Pilot:
             try:  # torch's schedulers take any dict (__dict__.update): check the keys the copy would need
                 trial = copy.deepcopy(scheduler, {id(self.optimizer): self.optimizer})
                 before = set(vars(trial))
-                trial.load_state_dict(s)
+                trial.load_state_dict(copy.deepcopy(s))  # some pop keys from the dict they load (CyclicLR)
             except Exception as exc:
                 problems.append(f"LR scheduler {i} ({names[i]}) does not load its state ({type(exc).__name__}: {exc})")
                 continue
@@ -1057,7 +1057,7 @@ class Pilot:
             except Exception:  # an object that cannot be copied is loaded for real only
                 continue
             try:
-                trial.load_state_dict(state[key])
+                trial.load_state_dict(copy.deepcopy(state[key]))  # the real load needs the dict unchanged
             except Exception as exc:
                 problems.append(f"its {key} state does not load into this Pilot's {type(obj).__name__} "
                                 f"({type(exc).__name__}: {exc})")
