@@ -226,6 +226,25 @@ def test_a_changing_accumulation_or_a_mid_step_validation_is_refused(tmp_path):
         trainer(tmp_path, adaptive, accumulate_grad_batches=2, fast_dev_run=True).fit(model)
 
 
+def test_an_int_val_check_interval_must_count_over_the_fit(tmp_path):
+    # With check_val_every_n_epoch=1 (the default) an int interval counts batches from each epoch's start: once
+    # the batch grew so that epochs have fewer batches than the interval, validation stopped without a word
+    # (Lightning refuses such an interval, but this loader's length is only a bound). Counted over the fit
+    # (check_val_every_n_epoch=None) it validates every k batches whatever the epochs' lengths.
+    def growing():
+        adaptive = AdaptiveBatchSize(LinearIncrease(start=4, increment=8, interval=3, max_size=32), batch_size=4)
+        return adaptive, Model(adaptive, make_data())
+
+    adaptive, model = growing()
+    with pytest.raises(ValueError, match=r"val_check_interval=4 with check_val_every_n_epoch=1 .* "
+                                         r"Pass check_val_every_n_epoch=None"):
+        trainer(tmp_path, adaptive, max_epochs=3, val_check_interval=4).fit(model)
+    adaptive, model = growing()
+    trainer(tmp_path, adaptive, max_epochs=3, val_check_interval=4, check_val_every_n_epoch=None).fit(model)
+    assert [sum(s["epoch"] == e for s in model.steps) for e in range(3)] == [7, 3, 3]  # epochs 1, 2 < 4 batches
+    assert model.validations == len(model.steps) // 4 == 3
+
+
 def test_the_loader_without_its_callback_in_the_trainer_is_refused(tmp_path):
     adaptive = AdaptiveBatchSize(SizeList(SIZES), batch_size=4)
     model = Model(adaptive, make_data(), val=False)

@@ -20,7 +20,9 @@ into ``accumulate_grad_batches`` micro-batches. Rank 0 decides after every optim
 applies the broadcast value, and the next step has exactly that size (the loader reports a length, an
 upper bound of the epoch's batches, so Lightning does not read a batch ahead; the callback marks the
 epoch's real last batch). The loader has ``state_dict``/``load_state_dict``, so a mid-epoch checkpoint
-resumes with the same remaining samples and sizes; the controller is saved as the callback's state.
+resumes with the same remaining samples and sizes; the controller is saved as the callback's state. A
+checkpoint saved inside a step resumes from that step's first micro-batch, and one saved at the end of an
+epoch that Lightning cut short (``max_steps``, a stop) resumes inside that epoch.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ require("lightning", "lightning", what="batchpilot.integrations.lightning")
 
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities import rank_zero_warn
 
 from .. import distributed as bpdist
 from .._validation import check_positive_int
@@ -46,6 +50,8 @@ from ._step_stats import StepStats, check_measurable
 
 __all__ = ["AdaptiveBatchSize", "AdaptiveLoader"]
 
+_COUNTERS = ("ready", "started", "processed", "completed")  # of a Lightning progress tracker
+
 # What a training_step reads from the callback runs outside torch.compile: Lightning compiles training_step
 # when given a compiled LightningModule, and dynamo would specialise on (or fail to trace) the sizes and
 # weights, which change from one micro-batch to the next. Called from compiled code, these graph-break.
@@ -55,11 +61,11 @@ _eager = torch.compiler.disable
 class AdaptiveLoader:
     """The training loader :meth:`AdaptiveBatchSize.dataloader` returns (an iterable, not a DataLoader).
 
-    Built on first use, once the callback knows the rank, the world size and ``accumulate_grad_batches``.
-    Iterating yields the collated micro-batches of the rest of the current epoch. ``len()`` is an upper
-    bound (every step takes at least one sample), which keeps Lightning from prefetching a batch whose size
-    would then be stale. Lightning leaves non-DataLoader iterables alone under DDP (no DistributedSampler):
-    the sampler hands each rank its share itself.
+    Built on first use in each fit, once the callback knows the rank, the world size and
+    ``accumulate_grad_batches``. Iterating yields the collated micro-batches of the rest of the current epoch.
+    ``len()`` is an upper bound (every step takes at least one sample), which keeps Lightning from prefetching
+    a batch whose size would then be stale. Lightning leaves non-DataLoader iterables alone under DDP (no
+    DistributedSampler): the sampler hands each rank its share itself.
     """
 
     def __init__(self, callback: AdaptiveBatchSize, dataset: Any, options: dict[str, Any]) -> None:
@@ -67,22 +73,44 @@ class AdaptiveLoader:
         self.dataset = dataset
         self._options = options
         self._loader: AdaptiveDataLoader | None = None
+        self._fit = 0  # the callback's fit number when the loader was built
         self._pending_state: dict[str, Any] | None = None
+        self._first_batch_size = callback.initial_batch_size  # of the first step, when there is no state to load
         self.current: MicroBatch | None = None
+        # The position at the start of the step in flight (its first micro-batch was yielded, the callback has
+        # not counted it yet): what a checkpoint saved inside the step must hold.
+        self._step_start: dict[str, Any] | None = None
 
     @property
     def loader(self) -> AdaptiveDataLoader:
-        """The underlying :class:`~batchpilot.AdaptiveDataLoader` (built on first access)."""
+        """The underlying :class:`~batchpilot.AdaptiveDataLoader` (built on first access in each fit)."""
+        if self._loader is not None and self._fit != self._callback._fit:  # built for an earlier fit
+            self._pending_state = self._saved_state()
+            self._loader.close()
+            self._loader = None  # rebuilt: this fit may have another rank, world size or accumulation
         if self._loader is None:
             rank, world, accumulation = self._callback._placement()
             self._loader = AdaptiveDataLoader(
-                self.dataset, self._callback.initial_batch_size, rank=rank, world_size=world,
+                self.dataset, self._first_batch_size, rank=rank, world_size=world,
                 accumulation_steps=accumulation, **self._options,
             )
+            self._fit = self._callback._fit
             if self._pending_state is not None:
                 self._loader.load_state_dict(self._pending_state)
                 self._pending_state = None
+            self._step_start = None
         return self._loader
+
+    def _built_for_this_fit(self) -> AdaptiveDataLoader | None:
+        """The underlying loader if the fit now set up (or the last one) built it, else ``None``."""
+        return self._loader if self._loader is not None and self._fit == self._callback._fit else None
+
+    @property
+    def batch_size(self) -> int:
+        """Global size of the next step."""
+        if self._pending_state is not None:
+            return int(self._pending_state["batch_size"])
+        return self._first_batch_size if self._loader is None else self._loader.batch_size
 
     def __len__(self) -> int:
         return len(self.dataset) * self._callback._placement()[2]
@@ -93,20 +121,39 @@ class AdaptiveLoader:
                 "this loader's AdaptiveBatchSize callback is not in the Trainer, so nothing would set the batch "
                 "size: pass callbacks=[adaptive] to the Trainer (the callback whose dataloader() made the loader)."
             )
-        for micro in self.loader:
+        loader = self.loader
+        if self._step_start is not None:  # the last loop stopped inside a step: that step runs again, whole
+            loader.load_state_dict(self._step_start)
+            self._step_start = None
+        micro_batches = iter(loader)
+        start = loader.state_dict()  # read before each step's first micro-batch is fetched
+        for micro in micro_batches:
+            if micro.micro_index == 0:
+                self._step_start = start
             self.current = micro
             yield micro.data
+            if micro.is_last:
+                start = loader.state_dict()
+
+    def _saved_state(self) -> dict[str, Any] | None:
+        """What :meth:`state_dict` returns, without building the loader: ``None`` if never built nor loaded."""
+        state = self._step_start or self._pending_state
+        if state is None and self._loader is not None:
+            state = self._loader.state_dict()
+        return None if state is None else dict(state)
 
     def state_dict(self) -> dict[str, Any]:
-        """Position at the first unconsumed step and the next size (JSON-serialisable)."""
-        return self.loader.state_dict()
+        """Position at the first unconsumed step and the next size (JSON-serialisable); inside a step, the
+        position at its start."""
+        return self._saved_state() or self.loader.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict` (possibly saved under another world size)."""
-        if self._loader is None:
-            self._pending_state = dict(state)
+        self._step_start = None
+        if self._built_for_this_fit() is not None:
+            self.loader.load_state_dict(state)
         else:
-            self._loader.load_state_dict(state)
+            self._pending_state = dict(state)
 
 
 class AdaptiveBatchSize(Callback):
@@ -158,6 +205,8 @@ class AdaptiveBatchSize(Callback):
         self._module: Any = None  # the LightningModule of the current fit
         self._stats_state: dict[str, Any] | None = None
         self._loader_state: dict[str, Any] | None = None  # a resumed data position for a loader built later
+        self._fit = 0  # trainer.fit calls set up so far: a loader is built anew in each fit
+        self._restored_fit = -1  # the fit whose set-up restored the callback's state (load_state_dict)
         self.log_progress = log
         self._trainer: Any = None
         self._loader: AdaptiveLoader | None = None
@@ -165,6 +214,9 @@ class AdaptiveBatchSize(Callback):
         # would wait for each forward before its backward is queued), their factor, and their samples.
         self._step_losses: list[tuple[torch.Tensor, float, int]] = []
         self._inflight = 0  # samples of the step whose optimizer update ran but which is not counted yet
+        # Lightning's batch counters (over the fit, in the epoch) before the first micro-batch of the step in
+        # flight; None between steps. A checkpoint saved inside a step goes back to them.
+        self._step_counters: dict[str, int] | None = None
         self._raw_loss: torch.Tensor | None = None  # the current micro-batch's mean loss, recorded by weight()
 
     # ------------------------------------------------------------------ the loader
@@ -186,23 +238,34 @@ class AdaptiveBatchSize(Callback):
         cheap). ``drop_last`` drops an epoch's final step when it is smaller than the decided size.
         """
         previous = self._loader
-        self._loader = AdaptiveLoader(
+        self._loader = loader = AdaptiveLoader(
             self,
             dataset,
             dict(shuffle=shuffle, seed=seed, drop_last=drop_last, num_workers=num_workers, collate_fn=collate_fn,
                  pin_memory=pin_memory, prefetch_factor=prefetch_factor),
         )
-        if previous is not None and previous._loader is not None:  # reloaded dataloaders keep the position
+        fitting = self._fitting()
+        if previous is not None and previous._built_for_this_fit() is not None and fitting:
+            # Reloaded during the fit (reload_dataloaders_every_n_epochs): the data position carries over.
             if len(dataset) != len(previous.dataset):
                 raise ValueError(
                     f"the reloaded training dataset has {len(dataset)} samples, the previous one {len(previous.dataset)}: "
-                    "the data position (which samples this epoch has covered) cannot carry over to another dataset; "
-                    "reload the same dataset (reload_dataloaders_every_n_epochs), or start a new fit."
+                    "the data position (which samples this epoch has covered) cannot carry over to another dataset "
+                    "within a fit; reload the same dataset (reload_dataloaders_every_n_epochs), or train on the new "
+                    "one in a later trainer.fit, which starts its first epoch."
                 )
-            self._loader.load_state_dict(previous.state_dict())
+            loader.load_state_dict(previous.state_dict())
+        elif self._loader_state is not None and (previous is None or (fitting and self._restored_fit == self._fit)):
+            loader.load_state_dict(self._loader_state)  # resuming: the position restored with the callback's state
+        elif previous is not None and (state := previous._saved_state()) is not None:
+            # A later fit: on a dataset of the same length it continues where the last one left the data, on
+            # another it starts that dataset's first epoch at the size decided last.
+            if len(dataset) == len(previous.dataset):
+                loader.load_state_dict(state)
+            else:
+                loader._first_batch_size = int(state["batch_size"])
+        if previous is not None and previous._loader is not None:
             previous._loader.close()  # its workers stop now, not at a cyclic garbage collection
-        elif self._loader_state is not None:  # resuming: the position restored with the callback's state
-            self._loader.load_state_dict(self._loader_state)
         self.driver.num_samples = len(dataset)
         return self._loader
 
@@ -218,9 +281,7 @@ class AdaptiveBatchSize(Callback):
     @_eager
     def batch_size(self) -> int:
         """Global batch size of the next optimizer step."""
-        if self._loader is None or self._loader._loader is None:
-            return self.initial_batch_size
-        return self._loader.loader.batch_size
+        return self.initial_batch_size if self._loader is None else self._loader.batch_size
 
     @property
     @_eager
@@ -277,6 +338,13 @@ class AdaptiveBatchSize(Callback):
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._trainer = trainer
+        if stage == TrainerFn.FITTING:
+            self._fit += 1
+
+    def _fitting(self) -> bool:
+        """Whether a ``trainer.fit`` with this callback is running (set up and not yet ended)."""
+        state = None if self._trainer is None else self._trainer.state
+        return state is not None and state.fn == TrainerFn.FITTING and state.status == TrainerStatus.RUNNING
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self._loader is None:
@@ -285,6 +353,8 @@ class AdaptiveBatchSize(Callback):
                 "(or pass it to trainer.fit) so the callback can set the batch size."
             )
         self.driver.rank = trainer.global_rank  # only rank 0 asks the controller
+        # A step a previous fit left unfinished (a stop inside it) runs again from its first micro-batch.
+        self._step_losses, self._raw_loss, self._inflight, self._step_counters = [], None, 0, None
         self.driver.min_useful = trainer.world_size * trainer.accumulate_grad_batches
         self.driver.start_clock()
         self._check_batch_limit(trainer)
@@ -315,9 +385,9 @@ class AdaptiveBatchSize(Callback):
         loss weights assume that split: a run must keep one value (GradientAccumulationScheduler changes it)."""
         from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
-        built = None if self._loader is None or self._loader._loader is None else self._loader._loader.accumulation_steps
+        built = None if self._loader is None else self._loader._built_for_this_fit()
         if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks) or \
-                (built is not None and built != trainer.accumulate_grad_batches):
+                (built is not None and built.accumulation_steps != trainer.accumulate_grad_batches):
             raise ValueError(
                 "accumulate_grad_batches changes during the run (GradientAccumulationScheduler), but each step's "
                 "split into micro-batches is fixed when the loader is built: keep one accumulate_grad_batches for "
@@ -364,6 +434,16 @@ class AdaptiveBatchSize(Callback):
                 f"from there would be out of step with the data; use a multiple, e.g. "
                 f"{max(accumulation, interval - interval % accumulation)}."
             )
+        every_n = trainer.check_val_every_n_epoch
+        if isinstance(interval, int) and not isinstance(interval, bool) and every_n is not None and \
+                trainer.limit_val_batches > 0:
+            raise ValueError(
+                f"val_check_interval={interval} with check_val_every_n_epoch={every_n} validates at every "
+                f"{interval}th batch counted from each epoch's start, and an epoch's number of batches changes with "
+                f"the batch size: once an epoch has fewer than {interval} batches, it is never validated. Pass "
+                f"check_val_every_n_epoch=None to validate every {interval} batches counted over the fit, or "
+                "val_check_interval=1.0 to validate at each epoch's end."
+            )
         if not isinstance(interval, float) or getattr(trainer, "_val_check_time_interval", None) is not None:
             return
         if interval != 1.0:
@@ -378,6 +458,10 @@ class AdaptiveBatchSize(Callback):
         if micro is not None and self._loader is not None and micro.is_last and \
                 micro.offset + micro.global_size >= self._loader.loader.sampler.num_samples:
             self._mark_last_batch(trainer)  # this step completes the epoch: Lightning's own "last batch"
+        if micro is not None and micro.micro_index == 0:
+            progress = trainer.fit_loop.epoch_loop.batch_progress  # "ready" counts this micro-batch already
+            self._step_counters = {"total": progress.total.ready - 1, "current": progress.current.ready - 1,
+                                   "optimizer_steps": trainer.global_step}
         if micro is not None and self.stats is not None:
             if micro.micro_index == 0:
                 self.stats.begin_step(self.driver.step, micro.global_size)
@@ -435,6 +519,8 @@ class AdaptiveBatchSize(Callback):
         new = self.driver.decide(loader.batch_size, epoch=epoch, coverage=offset / loader.sampler.num_samples,
                                  stats=stats)
         loader.set_batch_size(new)
+        # The step is counted: a checkpoint from here on is at a step boundary, with the position past it.
+        self._step_counters = self._loader._step_start = None
         if self.log_progress:
             # The progress bar's total is len(loader), an upper bound: train_coverage is the real progress.
             shown = {"batch_size": float(micro.global_size), "train_coverage": offset / loader.sampler.num_samples}
@@ -459,6 +545,9 @@ class AdaptiveBatchSize(Callback):
         if self._loader is not None and self._loader._loader is not None:
             self._loader._loader.close()  # stop dataloader workers now, not at garbage collection
 
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.on_train_end(trainer, pl_module)  # the fit is over: its workers stop too (the position is kept)
+
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         self.driver.start_clock()  # validation time is not training throughput
 
@@ -475,9 +564,7 @@ class AdaptiveBatchSize(Callback):
         epoch's order at the first size. The position kept here covers every case.
         """
         stats = self.stats.state_dict() if self.stats is not None else self._stats_state
-        loader: dict[str, Any] | None = self._loader_state
-        if self._loader is not None and self._loader._loader is not None:
-            loader = self._loader.state_dict()
+        loader = self._loader_state if self._loader is None else self._loader._saved_state()
         return {"driver": self.driver.state_dict(), "stats": stats, "loader": loader}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -487,5 +574,36 @@ class AdaptiveBatchSize(Callback):
         if self.stats is not None and self._stats_state is not None:
             self.stats.load_state_dict(self._stats_state)
         self._loader_state = state_dict.get("loader")  # absent in checkpoints saved before it was kept here
+        self._restored_fit = self._fit
         if self._loader_state is not None and self._loader is not None:
             self._loader.load_state_dict(self._loader_state)
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        """Make the checkpoint's loop counters say where its data position, weights and optimizer are.
+
+        Inside a step (a save from a micro-batch, an exception, a stop or a signal), the batch counters go
+        back to the step's first micro-batch: the resumed fit runs the whole step again, its micro-batches
+        in line with ``accumulate_grad_batches``. At the end of an epoch that Lightning cut short
+        (``max_steps``, ``should_stop``) or after such a fit, the epoch is recorded as unfinished: the resumed
+        fit continues it, where Lightning would start the next epoch while the data is inside this one.
+        """
+        loop = checkpoint.get("loops", {}).get("fit_loop")
+        if loop is None:
+            return
+        batches, epochs = loop["epoch_loop.batch_progress"], loop["epoch_progress"]
+        if self._step_counters is not None:
+            for part in ("total", "current"):
+                batches[part].update(dict.fromkeys(_COUNTERS, self._step_counters[part]))
+            batches["is_last_batch"] = False
+            if trainer.global_step != self._step_counters["optimizer_steps"]:
+                rank_zero_warn(
+                    "this checkpoint is saved after the optimizer updated the weights for the step in flight but "
+                    "before AdaptiveBatchSize counted that step (a callback listed before AdaptiveBatchSize, or a "
+                    "signal handler, saved it): a fit resumed from it runs the step again. List checkpointing "
+                    "callbacks after AdaptiveBatchSize in callbacks=[...]."
+                )
+        # The epoch loop has ended (processed counts it) before the data epoch did, and not at limit_train_batches.
+        if epochs["total"]["processed"] == epochs["total"]["started"] > 0 and not batches["is_last_batch"] and \
+                batches["current"]["ready"] < trainer.num_training_batches:
+            for part in ("total", "current"):
+                epochs[part]["processed"] = epochs[part]["completed"] = epochs[part]["started"] - 1
