@@ -379,3 +379,63 @@ def hook_handover_worker(rank: int, world_size: int, init_file: str, out_dir: st
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"attached": attached, "read": read, "hooked": hooked}))
     del stats, ddp, again, model
     finish()
+
+
+def group_setup_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    """What a Pilot does with the process group it finds: a plain model starts from rank 0's weights; a DDP
+    model over a subgroup and rank/world_size that disagree with the group are refused; world_size=1 trains
+    the rank on its own (its own decisions, no collectives); a DDP model with its own communication hook and
+    one micro-batch per step cannot measure the noise scale in the integrations."""
+    from batchpilot.integrations._step_stats import StepStats
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    result: dict = {}
+    torch.manual_seed(rank)  # different initial weights per rank, as with per-rank seeding for augmentation
+    model = torch.nn.Sequential(torch.nn.Linear(5, 12), torch.nn.Tanh(), torch.nn.Linear(12, 2)).double()
+    pilot = batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), make_data(), batch_size=8)
+    result["initial"] = [p.detach().tolist() for p in model.parameters()]
+    for x, y in pilot.batches(max_steps=3):
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    result["trained"] = [p.detach().tolist() for p in model.parameters()]
+
+    own = dist.new_group([rank]) if rank == 0 else None
+    own = dist.new_group([1]) if rank == 1 else own  # every rank takes part in creating every group
+    sub = torch.nn.parallel.DistributedDataParallel(make_model(), process_group=own)
+    try:
+        batchpilot.Pilot(sub, torch.optim.SGD(sub.parameters(), lr=0.1), make_data(), batch_size=8)
+        result["subgroup"] = None
+    except ValueError as err:
+        result["subgroup"] = str(err)
+    try:
+        batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), make_data(), batch_size=8,
+                         rank=1 - rank, world_size=2)
+        result["swapped"] = None
+    except ValueError as err:
+        result["swapped"] = str(err)
+
+    alone = make_model()
+    solo = batchpilot.Pilot(alone, torch.optim.SGD(alone.parameters(), lr=0.1), make_data(), batch_size=4,
+                            rank=0, world_size=1, controller=SizeList([3 + rank]), oom_recovery=True)
+    sizes = []
+    for x, y in solo.batches(max_steps=3 + 2 * rank):  # unequal lengths: no collective may be waiting
+        if solo.micro_batch.micro_index == 0:
+            sizes.append(solo.micro_batch.global_size)
+        with solo.micro_step():
+            solo.backward(torch.nn.functional.cross_entropy(alone(x), y))
+    solo.save_checkpoint(Path(out_dir, f"solo{rank}.pt"))
+    result["solo_sizes"] = sizes
+
+    def averaging_hook(_, bucket):  # DDP's own reduction, as a compression hook would replace it
+        future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+        return future.then(lambda done: done.value()[0] / world_size)
+
+    hooked = torch.nn.parallel.DistributedDataParallel(make_model())
+    hooked.register_comm_hook(None, averaging_hook)
+    stats = StepStats(list(hooked.parameters()), world_size=world_size, accumulation_steps=1)
+    try:
+        stats.attach(hooked)
+        result["hook"] = None
+    except ValueError as err:
+        result["hook"] = str(err)
+    Path(out_dir, f"group{rank}.json").write_text(json.dumps(result))
+    finish()

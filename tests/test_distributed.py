@@ -220,3 +220,15 @@ def test_the_noise_hook_passes_to_a_later_probe_and_to_a_new_ddp_wrapper(tmp_pat
     for r in range(2):
         got = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert got == {"attached": [True, True], "read": [False, True], "hooked": [True, True]}
+
+
+def test_the_pilot_checks_and_aligns_the_process_group_it_finds(tmp_path):
+    mp.spawn(h.group_setup_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"group{r}.json").read_text()) for r in range(2))
+    assert r0["initial"] == r1["initial"]  # a plain model starts from rank 0's weights, as DDP does
+    assert r0["trained"] == r1["trained"]
+    for r in (r0, r1):
+        assert "process group of 1 ranks" in r["subgroup"] and "default group" in r["subgroup"]
+        assert "disagree with the process group" in r["swapped"]
+        assert "communication hook" in r["hook"] and "accumulate_grad_batches >= 2" in r["hook"]
+    assert r0["solo_sizes"] == [4, 3, 3] and r1["solo_sizes"] == [4, 4, 4, 4, 4]  # each rank decides alone

@@ -55,9 +55,20 @@ def rank_and_world(rank: int | None = None, world_size: int | None = None) -> tu
     return (0 if rank is None else rank), (1 if world_size is None else world_size)
 
 
+def group_size(group: Any = None) -> int:
+    """Ranks in ``group`` (``None``: the default group); 1 without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
 def _comm_device() -> torch.device:
-    """Device for small collective tensors: CUDA under NCCL, CPU otherwise (gloo)."""
-    if dist.get_backend() == "nccl":
+    """Device for small collective tensors: CUDA where the group has NCCL (``"nccl"``, or a mixed group such as
+    ``"cpu:gloo,cuda:nccl"``, torch's default on a GPU host), CPU otherwise (gloo)."""
+    backend = str(dist.get_backend())
+    if backend != "nccl" and torch.cuda.is_available() and hasattr(dist, "get_backend_config"):
+        backend = str(dist.get_backend_config())
+    if "nccl" in backend and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -81,7 +92,7 @@ def all_reduce_min_int(value: int) -> int:
 
 
 def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
-    """Sum a small float64 tensor over ranks (in place when distributed) and return it."""
+    """Sum a small float64 tensor over ranks and return the sum (a new tensor when distributed)."""
     if is_distributed():
         device = _comm_device()
         moved = values.to(device)
@@ -110,6 +121,14 @@ def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
             grads.append(p.grad)
     if grads:
         _flattened(lambda flat: dist.all_reduce(flat, op=dist.ReduceOp.SUM), grads)
+
+
+def broadcast_module(module: torch.nn.Module, src: int = 0) -> None:
+    """Copy ``src``'s parameters and buffers to every rank (what DDP does when it wraps a model), flattened
+    into one broadcast per dtype and device."""
+    if is_distributed():
+        with torch.no_grad():
+            _flattened(lambda flat: dist.broadcast(flat, src=src), [*module.parameters(), *module.buffers()])
 
 
 def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> None:

@@ -217,9 +217,27 @@ class Pilot:
                 f"world_size={self.world_size} but torch.distributed is not initialised; call "
                 "torch.distributed.init_process_group first (torchrun sets it up), or use world_size=1."
             )
+        group = bpdist.rank_and_world()
+        if self.world_size > 1 and (self.rank, self.world_size) != group:
+            raise ValueError(
+                f"rank={self.rank}, world_size={self.world_size} disagree with the process group (rank {group[0]} "
+                f"of {group[1]}); leave them None to train over the group, or pass world_size=1 to train this "
+                "rank on its own."
+            )
         # The bare module (what checkpoints hold) and the DDP wrapper, through torch.compile in any order.
         self._module, self._ddp_model = unwrap(model)
         ddp = self._ddp_model is not None
+        if ddp and self.world_size > 1:
+            ddp_size = bpdist.group_size(getattr(self._ddp_model, "process_group", None))
+            if ddp_size != self.world_size:
+                raise ValueError(
+                    f"the DDP model averages over a process group of {ddp_size} ranks, but the batch is shared over "
+                    f"all {self.world_size}; batchpilot shares data, weights losses and decides over the default "
+                    "group, so wrap the model with DDP over the default group (hybrid parallelism with a data-"
+                    "parallel subgroup is not supported)."
+                )
+        if not ddp and self.world_size > 1:
+            bpdist.broadcast_module(self._module)  # as DDP does when it is built: every rank starts from rank 0's
         self.oom_recovery = oom_recovery
         # Who sums the gradients over ranks: DDP inside the last backward, or the engine at the step's end
         # (without DDP, and under OOM recovery, where the ranks must agree on a replay before any reduction).
@@ -636,7 +654,8 @@ class Pilot:
         as soon as it ran out of memory)."""
         failed = self._oom_size
         no_oom = 2**62
-        cap = bpdist.all_reduce_min_int(no_oom if failed is None else failed // 2)
+        candidate = no_oom if failed is None else failed // 2
+        cap = bpdist.all_reduce_min_int(candidate) if self.world_size > 1 else candidate
         if cap == no_oom:
             return None
         if cap < 1:
@@ -855,10 +874,10 @@ class Pilot:
                         source=source,
                     )
             except Exception:
-                if due:
+                if due and self.world_size > 1:
                     bpdist.broadcast_int(-1)  # tell the other ranks, so they fail too instead of hanging
                 raise
-        if due:
+        if due and self.world_size > 1:
             new = bpdist.broadcast_int(new)
             if new < 1:
                 raise RuntimeError("rank 0's controller failed (see rank 0's error); stopping this rank too.")
@@ -949,6 +968,8 @@ class Pilot:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (possibly saved under another world size).
+
+        Under DDP every rank must call it (the ranks agree on whether the state fits).
 
         Raises:
             CheckpointError: the state was saved by another run: another model (names or shapes), optimizer
@@ -1124,11 +1145,13 @@ class Pilot:
             written = save_checkpoint(path, state)
             if self.checkpoint_dir is not None and Path(path).parent == self.checkpoint_dir:
                 prune_checkpoints(self.checkpoint_dir, self.keep_checkpoints, written)
-        bpdist.barrier()
+        if self.world_size > 1:
+            bpdist.barrier()
         return written
 
     def load_checkpoint(self, path: str | os.PathLike, *, missing_ok: bool = False) -> Path | None:
-        """Restore from a checkpoint file, or from the newest loadable one in a folder.
+        """Restore from a checkpoint file, or from the newest loadable one in a folder (under DDP every rank
+        must call it, with a path every rank can read).
 
         Returns the file loaded, or ``None`` when ``missing_ok`` and the folder holds no checkpoint.
 

@@ -65,6 +65,7 @@ class StepStats:
         if not splits_measured_steps:
             check_measurable(world_size, accumulation_steps)
         self.world_size, self.accumulation_steps = world_size, accumulation_steps
+        self._splits = splits_measured_steps
         self.probe = GradientNoiseProbe(params, every=every or DEFAULT_NOISE_EVERY)  # never asked to split a step
         self._params_of = params_of
         self.meter = StepMeter(device=params[0].device if params else None)  # CUDA: micro-batches timed by events
@@ -75,12 +76,24 @@ class StepStats:
 
     def attach(self, wrapped_model: Any) -> None:
         """Under DDP, read the last micro-batch's local gradient in DDP's all-reduce (once per DDP model: a new
-        fit's new wrapper is hooked again; one with another communication hook is warned about once)."""
+        fit's new wrapper is hooked again; one with another communication hook is warned about once).
+
+        Raises:
+            ValueError: the DDP model has its own communication hook and a step has one micro-batch per rank:
+                that micro-batch is the last, so no small batch would ever be measured.
+        """
         _, ddp = unwrap(wrapped_model)  # also inside a torch.compile wrapper
         if self.world_size == 1 or ddp is None or ddp is self._hooked_to:
             return
         self._hooked_to = ddp
         if not self.probe.attach_ddp(ddp):
+            if self.accumulation_steps == 1 and not self._splits:
+                raise ValueError(
+                    "the DDP model already has a communication hook (a compression hook, say), so batchpilot cannot "
+                    "read each rank's gradient inside the all-reduce, and with one micro-batch per step that is the "
+                    "only small batch: the noise scale would never be measured. Set gradient_accumulation_steps >= 2 "
+                    "(Hugging Face) or accumulate_grad_batches >= 2 (Lightning), or train without the hook."
+                )
             logger.warning("the DDP model already has a communication hook: the last micro-batch of each rank is "
                            "not measured, so the noise scale rests on the other micro-batches (see docs/statistics.md)")
 
