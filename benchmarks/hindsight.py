@@ -204,7 +204,7 @@ def plot(runs: list[dict[str, Any]], summary: dict[str, dict[str, Any]], title: 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no plot (pip install 'batchpilot[plot]').")
+        print("matplotlib is not installed: no plot (pip install -e '.[plot]').")
         return False
     names = list(summary)
     fig, ax = plt.subplots(figsize=(7, 3.8))

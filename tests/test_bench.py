@@ -268,6 +268,14 @@ def test_cli_bad_input_exits_2_with_a_message(argv, fragment, capsys, tmp_path):
     assert not (tmp_path / "results.json").exists()
 
 
+def test_cli_version(capsys):
+    import batchpilot
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"batchpilot {batchpilot.__version__}"
+
+
 def test_cli_out_that_is_a_file_exits_2(tmp_path, capsys):
     not_a_folder = tmp_path / "file"
     not_a_folder.write_text("x")
@@ -416,7 +424,7 @@ def test_missing_matplotlib_names_the_extra(monkeypatch, tmp_path):
     log = tmp_path / "run.jsonl"
     _write_log(log, steps=3)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(ImportError, match=r'pip install "batchpilot\[plot\]"'):
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[plot\]"'):
         plot_log(log, tmp_path)
 
 

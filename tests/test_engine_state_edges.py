@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import sys
 
 import pytest
 import torch
@@ -266,6 +267,38 @@ def test_a_closed_pilot_keeps_training_and_logging(tmp_path):
 def test_arguments_that_are_not_what_they_seem_are_refused(kwargs, message):
     with pytest.raises((TypeError, ValueError), match=message):
         build(**kwargs)
+
+
+def test_a_dataloader_or_a_plain_object_passed_as_the_dataset_is_refused():
+    ds, model = make_problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"dataset is a torch DataLoader; pass its dataset \(loader.dataset\)"):
+        batchpilot.Pilot(model, opt, torch.utils.data.DataLoader(ds, batch_size=8), batch_size=8)
+
+    class Sized:
+        def __len__(self):
+            return 10
+
+    with pytest.raises(TypeError, match="cannot be indexed"):
+        batchpilot.Pilot(model, opt, Sized(), batch_size=8)
+
+
+def test_the_default_progress_setting_goes_without_a_bar_quietly_when_tqdm_is_missing(monkeypatch, recwarn):
+    from batchpilot.logs import ProgressBar
+
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    ProgressBar(100, None)
+    assert not [w for w in recwarn if "tqdm" in str(w.message)]
+    with pytest.warns(UserWarning, match="progress=True needs tqdm"):
+        ProgressBar(100, True)
+
+
+def test_a_missing_tensorboard_leaves_no_log_file_behind(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[tensorboard\]"'):
+        build(log_path=tmp_path / "log.jsonl", tensorboard_dir=tmp_path / "tb")
+    assert not (tmp_path / "log.jsonl").exists()
 
 
 def test_add_callback_refuses_what_it_cannot_call():

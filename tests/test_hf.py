@@ -892,7 +892,7 @@ def test_missing_framework_names_the_extra_and_the_core_never_imports_it(module,
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert f'pip install "batchpilot[{extra}]"' in out.stdout and f'pip install -e ".[{extra}]"' in out.stdout
+    assert f'pip install -e ".[{extra}]"' in out.stdout and "which is not installed" in out.stdout
 
 
 def test_the_hf_integration_names_the_torch_it_needs():
@@ -902,6 +902,15 @@ def test_the_hf_integration_names_the_torch_it_needs():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "needs torch >= 2.6" in out.stdout and "2.5.1+cpu" in out.stdout
+
+
+def test_the_hf_integration_names_the_transformers_it_needs():
+    # The trainer overrides Trainer internals of transformers 5; a 4.x install must be told, not misbehave.
+    code = ("import transformers\ntransformers.__version__ = '4.45.2'\ntry:\n    import batchpilot.integrations.hf\n"
+            "except ImportError as err:\n    print(err)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "needs transformers >= 5.0, < 6" in out.stdout and "4.45.2" in out.stdout
 
 
 # --------------------------------------------------------------------------------------------- example

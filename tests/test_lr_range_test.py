@@ -100,10 +100,17 @@ def test_too_few_batches_and_a_bad_loss_are_refused_and_leave_the_model_alone():
 
 
 def test_plot(tmp_path):
-    pytest.importorskip("matplotlib")
+    matplotlib = pytest.importorskip("matplotlib")
     model, batches = problem()
     result = lr_range_test(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, loss_fn, steps=40)
-    assert result.plot(tmp_path / "lr.png").stat().st_size > 0
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")  # stands for a notebook's inline backend, which plotting must leave alone
+    try:
+        assert result.plot(tmp_path / "lr.png").stat().st_size > 0
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(before)
+    assert (tmp_path / "lr.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_negative_loss_is_swept_like_a_positive_one():

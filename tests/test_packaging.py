@@ -30,3 +30,19 @@ def test_wheel_ships_py_typed_and_the_cli(tmp_path: Path) -> None:
     # PEP 561: without py.typed a user's mypy treats batchpilot as untyped and ignores its annotations.
     assert "batchpilot/py.typed" in names
     assert "batchpilot/integrations/hf.py" in names and "batchpilot/bench/workloads.py" in names
+
+
+def test_a_framework_that_is_installed_but_fails_to_import_is_not_called_missing() -> None:
+    """lightning imports lightning_utilities; with that dependency broken, telling the user to install
+    lightning (already installed) would leave them stuck."""
+    code = (
+        "import sys\n"
+        "sys.modules['lightning_utilities'] = None\n"
+        "try:\n"
+        "    import batchpilot.integrations.lightning\n"
+        "except ImportError as err:\n"
+        "    print(err)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "installed but fails to import" in out.stdout and "lightning_utilities" in out.stdout

@@ -27,7 +27,7 @@ def test_cpu_and_memory_readings():
 
 def test_missing_psutil_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "psutil", None)  # makes `import psutil` raise ImportError
-    with pytest.raises(ImportError, match=r'pip install "batchpilot\[system\]"'):
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[system\]"'):
         SystemMonitor()
 
 
@@ -119,3 +119,32 @@ def test_nvml_failure_means_absent_not_fake(fake_cuda):
     fake_cuda.setitem(sys.modules, "pynvml", nvml)
     sample = SystemMonitor().sample()
     assert "system/gpu_util" not in sample and sample["system/gpu_mem_frac"] == 0.25
+
+
+def test_a_controller_reading_load_that_is_never_measured_is_warned_about(monkeypatch, caplog):
+    import logging
+
+    import batchpilot
+    from batchpilot.controllers import ThresholdRules
+
+    x = torch.randn(64, 4)
+    data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
+
+    def build(**kwargs):
+        model = torch.nn.Linear(4, 2)
+        return batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), data, batch_size=8,
+                                progress=False, controller=ThresholdRules(util_source="cpu"), **kwargs)
+
+    with caplog.at_level(logging.WARNING, logger="batchpilot"):
+        build(system_every=None)
+    assert "reads system/cpu_util, but system_every=None" in caplog.text
+    caplog.clear()
+    monkeypatch.setitem(sys.modules, "psutil", None)
+    with caplog.at_level(logging.WARNING, logger="batchpilot"):
+        build()
+    assert "psutil is not installed" in caplog.text and 'pip install -e ".[system]"' in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="batchpilot"):
+        model = torch.nn.Linear(4, 2)
+        batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), data, batch_size=8, progress=False)
+    assert caplog.text == ""  # a run whose controller reads no load needs no psutil

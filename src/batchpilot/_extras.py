@@ -4,5 +4,5 @@ from __future__ import annotations
 
 
 def install_hint(extra: str) -> str:
-    """The pip command for ``batchpilot[extra]``, from an index or from a source checkout."""
-    return f'pip install "batchpilot[{extra}]" (from a source checkout: pip install -e ".[{extra}]")'
+    """The pip command for the ``extra``, in a source checkout (batchpilot is not on a package index yet)."""
+    return f'pip install -e ".[{extra}]" in the batchpilot checkout'

@@ -26,12 +26,14 @@ QUICK = {"seeds": "0", "policies": "quick"}
 
 
 def _parser() -> argparse.ArgumentParser:
+    from . import __version__
     from .bench.policies import NAMED_SETS, POLICY_HELP
     from .bench.workloads import WORKLOADS
 
     parser = argparse.ArgumentParser(
         prog="batchpilot", description="Train PyTorch models with a batch size that changes while they train."
     )
+    parser.add_argument("--version", action="version", version=f"batchpilot {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from . import distributed as bpdist
+from ._extras import install_hint
 from ._validation import (
     check_batch_size,
     check_bool,
@@ -312,8 +313,9 @@ class Pilot:
         self.checkpoint_every = checkpoint_every
         self.keep_checkpoints = keep_checkpoints
         self._lead = self.rank == 0
-        self._log = AdjustmentLog(log_path) if (log_path is not None and self._lead) else None
+        # TensorBoard first: without it installed, the ImportError leaves no log file opened behind.
         self._tb = TensorBoardSink(tensorboard_dir) if (tensorboard_dir is not None and self._lead) else None
+        self._log = AdjustmentLog(log_path) if (log_path is not None and self._lead) else None
         self._progress_enabled = progress if self._lead else False
         self._callbacks: list[StepCallback] = []
         if noise_every is None and (needs_gradient_stats(self.controller) or self.adascale is not None):
@@ -326,6 +328,7 @@ class Pilot:
             logger.info("the DDP model already has a communication hook: measured steps are split in two "
                         "to measure the gradient noise scale (see docs/statistics.md)")
         self._meter = StepMeter(system_every=system_every, device=self.device)
+        self._warn_if_system_stats_missing(system_every)
         if self._noise is not None:
             self.loader.min_accumulation = self._noise.min_accumulation
 
@@ -1053,6 +1056,24 @@ class Pilot:
                 problems.append(f"LR scheduler {i} ({names[i]}): the checkpoint's state lacks {missing}; build the "
                                 "Pilot with the schedulers of the run that saved it.")
         return problems
+
+    def _warn_if_system_stats_missing(self, system_every: int | None) -> None:
+        """Warn when the controller reads system load (``system/*`` in its ``required_stats``) that this run
+        will never measure: sampling is off, psutil is missing, or NVML is missing on a GPU."""
+        wanted = [k for k in getattr(self.controller, "required_stats", ()) if k.startswith("system/")]
+        if not wanted or not self._lead:
+            return
+        name = controller_name(self.controller)
+        monitor = self._meter.monitor
+        if system_every is None:
+            logger.warning("%s reads %s, but system_every=None switches load sampling off: its rules on load never "
+                           "act; pass system_every=N (default 100).", name, ", ".join(wanted))
+        elif monitor is None:
+            logger.warning("%s reads %s, but psutil is not installed, so no load is measured and its rules on load "
+                           "never act; install it with: %s", name, ", ".join(wanted), install_hint("system"))
+        elif "system/gpu_util" in wanted and self.device.type == "cuda" and not monitor.has_nvml:
+            logger.warning("%s reads system/gpu_util, but nvidia-ml-py is not installed, so GPU utilisation is not "
+                           "measured; install it with: %s", name, install_hint("gpu"))
 
     def _warn_about_features(self, state: dict[str, Any]) -> None:
         """Warn when the checkpoint's run had a feature this Pilot lacks, or the other way round (fp16 loss

@@ -204,6 +204,7 @@ class ProgressBar:
     """A tqdm bar over samples (falls back to nothing when tqdm is missing or output is not a terminal)."""
 
     def __init__(self, total: int | None, enabled: bool | None) -> None:
+        asked = enabled is True
         if enabled is None:
             enabled = sys.stderr.isatty()
         self._bar = None
@@ -211,9 +212,10 @@ class ProgressBar:
             try:
                 from tqdm.auto import tqdm
             except ImportError:
-                import warnings
+                if asked:  # progress=None (the default) goes without a bar quietly
+                    import warnings
 
-                warnings.warn(f"progress=True needs tqdm: {install_hint('progress')}", stacklevel=3)
+                    warnings.warn(f"progress=True needs tqdm: {install_hint('progress')}", stacklevel=3)
                 return
             self._bar = tqdm(total=total, unit="sample", unit_scale=True, dynamic_ncols=True)
 

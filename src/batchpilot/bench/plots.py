@@ -1,10 +1,11 @@
-"""Plots of the benchmark and of adjustment logs (PNG, matplotlib's Agg backend, no display needed).
+"""Plots of the benchmark and of adjustment logs (PNG files drawn on bare matplotlib figures: no display,
+no pyplot, the process's backend untouched).
 
 Bench plots (one line per run, one colour per policy; grid cells other than a tuned policy's chosen LR
 are left out to keep the figures readable): ``accuracy_vs_time.png``, ``batch_size_vs_time.png``,
 ``noise_scale.png`` (B_simple over training, for runs that measured it) and ``throughput.png`` (the
 calibrated samples/s against batch size, with the finder's pick). :func:`plot_log` plots any JSONL
-adjustment log. matplotlib is imported lazily (``pip install "batchpilot[plot]"``).
+adjustment log. matplotlib is imported lazily (``pip install -e ".[plot]"``).
 """
 
 from __future__ import annotations
@@ -19,17 +20,39 @@ from .._extras import install_hint
 __all__ = ["plot_bench", "plot_log"]
 
 
-def _pyplot() -> Any:
+class _Figures:
+    """The few pyplot calls the plots make, on bare ``matplotlib.figure.Figure`` objects: drawing a PNG never
+    touches pyplot's state or the process's backend (a notebook's inline plots keep working)."""
+
+    def __init__(self, matplotlib: Any) -> None:
+        self._matplotlib = matplotlib
+
+    def subplots(self, *args: Any, figsize: tuple[float, float] | None = None, **kwargs: Any) -> tuple[Any, Any]:
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=figsize)
+        return fig, fig.subplots(*args, **kwargs)
+
+    def get_cmap(self, name: str) -> Any:
+        return self._matplotlib.colormaps[name]
+
+    def close(self, fig: Any) -> None:
+        fig.clear()  # a bare Figure is not registered with pyplot: dropping it frees it
+
+
+def _pyplot() -> _Figures:
+    """Figure factory for the PNGs (matplotlib imported lazily).
+
+    Raises:
+        ImportError: matplotlib is missing (names the extra to install).
+    """
     try:
         import matplotlib
     except ImportError as exc:
         raise ImportError(
             f"plotting needs matplotlib, an optional extra of batchpilot; install it with: {install_hint('plot')}"
         ) from exc
-    matplotlib.use("Agg", force=True)  # files only; never a GUI backend
-    import matplotlib.pyplot as plt
-
-    return plt
+    return _Figures(matplotlib)
 
 
 def _batch_steps(run: dict[str, Any]) -> tuple[list[float], list[int]]:

@@ -5,7 +5,7 @@
 * :func:`format_table` — the per-policy table, as Markdown or aligned plain text.
 * :func:`plot_log` — plots of a JSONL adjustment log (re-exported from :mod:`.plots`).
 
-Plotting needs matplotlib (``pip install "batchpilot[plot]"``); it is imported lazily.
+Plotting needs matplotlib (``pip install -e ".[plot]"``); it is imported lazily.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ class Goodput:
         ``E(B) = (phi + B0) / (phi + B)``
 
     with ``phi`` the gradient noise scale ``B_simple = tr(Sigma)/|G|^2`` in **samples** (McCandlish et
-    al. 2018), read from ``stats/noise_scale``. ALGORITHMS.md writes ``phi`` in ``B0`` units,
+    al. 2018), read from ``stats/noise_scale``. Pollux's paper writes ``phi`` in ``B0`` units,
     ``E = (phi' + 1) / (phi' + B / B0)`` with ``phi' = phi / B0`` (AdaptDL stores the gradient variance
     of a ``B0``-sample batch, ``tr(Sigma)/B0``, hence its units); the two are the same number. It equals
     AdaScale's gain divided by the scale, ``r / (B / B0)`` (:func:`batchpilot.lr.adascale_gain`). ``B0`` only

@@ -236,7 +236,7 @@ class Exponential(_Stateless):
     """Geometric ramp ``start * (end / start) ** min(1, progress)``, rounded half up.
 
     ``progress = step / total_steps`` or ``samples_seen / total_samples``. The smooth counterpart of the
-    LLM batch-size ramps in ALGORITHMS.md (DeepSeek-V3: 3072 -> 15360 sequences; batch warm-up,
+    LLM batch-size ramps (DeepSeek-V3 technical report, 2024: 3072 -> 15360 sequences; batch warm-up,
     Merrill et al. 2025). ``end < start`` gives a geometric decay.
 
     Raises:
@@ -306,7 +306,7 @@ _PIECEWISE_KEYS = ("step", "samples_seen", "epoch", "coverage")
 class Piecewise(_Stateless):
     """``sizes[i]`` where ``i`` = number of ``boundaries`` <= the progress value: a staged batch ramp.
 
-    The step-wise batch ramps of LLM training (OLMo, DeepSeek-V3 in ALGORITHMS.md) written as a table.
+    The step-wise batch ramps of LLM training (OLMo, DeepSeek-V3) written as a table.
     ``key`` picks the progress value: ``"step"``, ``"samples_seen"``, ``"epoch"`` (``obs.epochs_done``,
     fractional) or ``"coverage"`` (fraction of the current pass; restarts every epoch).
 

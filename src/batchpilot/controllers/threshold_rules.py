@@ -31,7 +31,7 @@ PLATEAU_ACTIONS = ("grow", "shrink")
 class ThresholdRules:
     """Seed 000 section 4.2's monitoring rules as a controller; every threshold configurable.
 
-    The seed (DYNAMIX write-up, see ALGORITHMS.md): gradient variance above 1e-3 -> smaller batch; GPU
+    The seed (a design article describing DYNAMIX-style monitoring rules): gradient variance above 1e-3 -> smaller batch; GPU
     utilisation below 70% -> larger batch; loss decrease below 1% three checks in a row -> adjust; small
     batches for the first 5-10 epochs; minimum and maximum batch thresholds.
 

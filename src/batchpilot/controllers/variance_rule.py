@@ -28,7 +28,7 @@ VARIANCE_KEY = "stats/grad_variance"
 class VarianceRule:
     """``B = floor(B0 * sigma_base^2 / sigma_t^2)`` every ``interval`` steps, within ``[min_size, max_size]``.
 
-    The rule of seed 002 (see ALGORITHMS.md), implemented as the seed asks. **This rule SHRINKS the batch
+    The rule of seed 002 (one of the design articles batchpilot started from), implemented as it is written. **This rule SHRINKS the batch
     when the gradient variance rises** (and grows it when the variance falls) -- the opposite of the
     gradient-noise-scale family: McCandlish et al. 2018 (critical batch ``B_simple = tr(Sigma)/|G|^2``
     grows with the noise), CABS (Balles et al. 2017, ``B ~ lr * tr(Sigma) / loss``) and AdaScale

@@ -241,6 +241,14 @@ class AdaptiveDataLoader:
         wrap_loader: Callable[[DataLoader], Iterable[Any]] | None = None,
         dataloader_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
+        if isinstance(dataset, DataLoader):
+            raise TypeError(
+                "dataset is a torch DataLoader; pass its dataset (loader.dataset): batchpilot cuts every batch itself, "
+                "at the size of each step (num_workers=, collate_fn=, pin_memory= are arguments here too)."
+            )
+        if not callable(getattr(dataset, "__getitem__", None)):
+            raise TypeError(f"dataset of type {type(dataset).__name__} cannot be indexed (no __getitem__); pass a "
+                            "map-style dataset, e.g. a torch.utils.data.Dataset or TensorDataset.")
         try:
             length = len(dataset)  # type: ignore[arg-type]
         except TypeError as exc:

@@ -17,6 +17,10 @@ def require(module: str, extra: str, *, what: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
+        missing = isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == module.split(".")[0]
+        if not missing:  # installed, but it (or one of its own dependencies) fails to import
+            raise ImportError(f"{what} needs the {module!r} package, which is installed but fails to import "
+                              f"({type(exc).__name__}: {exc}); reinstall it with: {install_hint(extra)}") from exc
         raise ImportError(
             f"{what} needs the {module!r} package, which is not installed; install it with: {install_hint(extra)}"
         ) from exc

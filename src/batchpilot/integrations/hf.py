@@ -44,6 +44,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from .._extras import install_hint
 from ._require import require
 
 transformers = require("transformers", "hf", what="batchpilot.integrations.hf")
@@ -55,6 +56,11 @@ if tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) <
     raise ImportError(  # transformers 5 disables PyTorch below 2.6 (Trainer becomes a placeholder)
         f"batchpilot.integrations.hf needs torch >= 2.6 (transformers 5 requires it); this is torch "
         f"{torch.__version__}. Upgrade torch, or use Pilot, which works with torch >= 2.3."
+    )
+if int(transformers.__version__.split(".")[0]) < 5:
+    raise ImportError(  # the trainer overrides Trainer internals of transformers 5 (get_batch_samples, ...)
+        f"batchpilot.integrations.hf needs transformers >= 5.0, < 6; this is transformers {transformers.__version__}. "
+        f"Upgrade it with: {install_hint('hf')}"
     )
 from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher
 from transformers import Trainer

@@ -6,7 +6,7 @@
   (``psutil.cpu_percent(None)``; the monitor primes it when built, so the first sample is meaningful);
 * ``system/mem_used_frac``: ``(total - available) / total`` of the host's memory (psutil);
 * ``system/gpu_util``: percent of the last sample period in which the GPU ran a kernel (NVML, from the
-  optional ``nvidia-ml-py`` package: ``pip install "batchpilot[gpu]"``);
+  optional ``nvidia-ml-py`` package: ``pip install -e ".[gpu]"``);
 * ``system/gpu_mem_frac``: used fraction of the GPU's memory, all processes included
   (``torch.cuda.mem_get_info`` once this process has a CUDA context, else NVML).
 
@@ -37,7 +37,7 @@ class SystemMonitor:
             CUDA device when CUDA is available. A non-CUDA device (``"cpu"``) or no CUDA: no GPU metrics.
 
     Raises:
-        ImportError: psutil is not installed (``pip install "batchpilot[system]"``).
+        ImportError: psutil is not installed (``pip install -e ".[system]"``).
     """
 
     def __init__(self, device: int | str | torch.device | None = None) -> None:
@@ -57,6 +57,11 @@ class SystemMonitor:
             index = torch.cuda.current_device() if dev is None or dev.index is None else dev.index
             self._cuda_index = index
             self._nvml, self._nvml_handle = _nvml_handle(index)
+
+    @property
+    def has_nvml(self) -> bool:
+        """Whether GPU utilisation can be read (nvidia-ml-py found the training GPU)."""
+        return self._nvml_handle is not None
 
     @property
     def gpu_available(self) -> bool:
