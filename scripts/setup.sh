@@ -33,7 +33,7 @@ done
 python_ok() { "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' >/dev/null 2>&1; }
 
 # 1. The virtual environment.
-if [ -x "$VENV/bin/python" ] && python_ok "$VENV/bin/python" && "$VENV/bin/python" -m pip --version >/dev/null 2>&1; then
+if [ -x "$VENV/bin/python" ] && python_ok "$VENV/bin/python"; then
     log "using the existing virtual environment $VENV ($("$VENV/bin/python" --version 2>&1))"
 else
     PY=""
@@ -42,7 +42,7 @@ else
     done
     [ -n "$PY" ] || die "no Python >= 3.10 found (tried ${PYTHON:-} python3 python3.1x); install one or set PYTHON=/path/to/python3.11"
     if [ -e "$VENV" ]; then
-        log "removing the unusable virtual environment $VENV (no Python >= 3.10 or no pip in it)"
+        log "removing the unusable virtual environment $VENV (its Python is older than 3.10)"
         rm -rf "$VENV"
     fi
     log "creating the virtual environment $VENV with $PY ($("$PY" --version 2>&1))"
@@ -50,6 +50,10 @@ else
 fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
+if ! python -m pip --version >/dev/null 2>&1; then  # a venv made without pip (uv venv, --without-pip)
+    log "the virtual environment has no pip: adding it with ensurepip"
+    python -m ensurepip --upgrade >/dev/null || die "$VENV has no pip and ensurepip failed; install pip into it (or remove $VENV and install your distribution's python3-venv)"
+fi
 export PIP_NO_INPUT=1
 
 # 2. Torch, pinned, before anything that depends on it.

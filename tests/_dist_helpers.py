@@ -415,7 +415,7 @@ def group_setup_worker(rank: int, world_size: int, init_file: str, out_dir: str)
 
     alone = make_model()
     solo = batchpilot.Pilot(alone, torch.optim.SGD(alone.parameters(), lr=0.1), make_data(), batch_size=4,
-                            rank=0, world_size=1, controller=SizeList([3 + rank]), oom_recovery=True)
+                            world_size=1, controller=SizeList([3 + rank]), oom_recovery=True)  # rank 0 of 1
     sizes = []
     for x, y in solo.batches(max_steps=3 + 2 * rank):  # unequal lengths: no collective may be waiting
         if solo.micro_batch.micro_index == 0:

@@ -104,6 +104,13 @@ def test_a_pending_set_batch_size_is_saved_and_a_load_replaces_it(tmp_path):
     train(resumed, model, 6, sizes=sizes)
     assert sizes == continued
 
+    model, replaced = build(batch_size=8, max_micro_batch_size=None)
+    train(replaced, model, 10, stop=set_and_leave)
+    replaced.set_batch_size(12)  # between loops: replaces the 20 still pending from the unfinished step
+    sizes = []
+    train(replaced, model, 5, sizes=sizes)
+    assert sizes == [12, 12, 12]
+
     model, other = build(batch_size=8, max_micro_batch_size=None)
     other.save_checkpoint(tmp_path / "plain.pt")  # step 0, nothing pending
     train(other, model, 10, stop=set_and_leave)
@@ -186,6 +193,47 @@ def test_a_run_resumes_with_each_kind_of_torch_scheduler(kind):
     assert same(state_of(model2), state_of(model))
 
 
+def test_schedulers_that_cannot_be_copied_or_keep_attributes_out_of_their_state_still_resume(tmp_path):
+    """The trial load on a copy is a check, not a requirement: a scheduler whose function belongs to an object
+    that cannot be copied (an open file here), or that leaves an attribute out of its state as LambdaLR does,
+    resumes as before."""
+    from torch.optim import lr_scheduler as lrs
+
+    class Schedule:
+        def __init__(self, path):
+            self.file = open(path, "a")  # noqa: SIM115 - an uncopyable member, closed below
+
+        def factor(self, step):
+            return 0.9 ** step
+
+    class Halving(lrs.LRScheduler):
+        def __init__(self, optimizer, fn):
+            self.fn = fn  # not saved, like LambdaLR's lambdas
+            super().__init__(optimizer)
+
+        def get_lr(self):
+            return [base * self.fn(self.last_epoch) for base in self.base_lrs]
+
+        def state_dict(self):
+            return {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "fn")}
+
+    schedule = Schedule(tmp_path / "side.txt")
+
+    def make():
+        ds, model = make_problem()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        schedulers = [lrs.LambdaLR(opt, schedule.factor), Halving(opt, lambda e: 0.5 ** e)]
+        return model, batchpilot.Pilot(model, opt, ds, batch_size=8, progress=False, lr_schedulers=schedulers)
+
+    model, pilot = make()
+    train(pilot, model, 3)
+    path = pilot.save_checkpoint(tmp_path / "s.pt")
+    model, resumed = make()
+    resumed.load_checkpoint(path)
+    assert resumed.step == 3 and resumed.optimizer.param_groups[0]["lr"] == pilot.optimizer.param_groups[0]["lr"]
+    schedule.file.close()
+
+
 def test_a_state_that_is_not_a_pilot_state_gets_a_clear_error():
     model, pilot = build()
     with pytest.raises(batchpilot.CheckpointError, match="not a Pilot state .*lacks pilot, model"):
@@ -199,9 +247,11 @@ def test_a_state_that_is_not_a_pilot_state_gets_a_clear_error():
 
 
 def test_a_loaded_batch_size_outside_this_pilots_bounds_is_clamped(tmp_path, caplog):
-    model, pilot = build(batch_size=32, max_micro_batch_size=None)
+    model, pilot = build(batch_size=32, max_micro_batch_size=None, log_path=tmp_path / "log.jsonl")
     train(pilot, model, 2)
     path = pilot.save_checkpoint(tmp_path / "big.pt")
+    train(pilot, model, 3)  # lines past the checkpoint: the resumed run cuts them, not its own decision
+    pilot.close()
     model, bounded = build(batch_size=8, max_batch_size=16, max_micro_batch_size=None, log_path=tmp_path / "log.jsonl")
     with caplog.at_level(logging.WARNING, logger="batchpilot"):
         bounded.load_checkpoint(path)
@@ -210,9 +260,10 @@ def test_a_loaded_batch_size_outside_this_pilots_bounds_is_clamped(tmp_path, cap
     train(bounded, model, 4, sizes=sizes)
     assert sizes == [16, 16]
     bounded.close()
-    decisions = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()
-                 if '"decision"' in line]
-    assert decisions[0]["old_size"] == 32 and decisions[0]["new_size"] == 16
+    lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [(r["type"], r.get("step")) for r in lines] == [("step", 1), ("step", 2), ("decision", 2), ("step", 3),
+                                                           ("step", 4)]
+    assert lines[2]["old_size"] == 32 and lines[2]["new_size"] == 16
 
 
 def test_resuming_without_a_feature_the_run_had_warns(tmp_path, caplog):

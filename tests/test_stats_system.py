@@ -148,3 +148,8 @@ def test_a_controller_reading_load_that_is_never_measured_is_warned_about(monkey
         model = torch.nn.Linear(4, 2)
         batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), data, batch_size=8, progress=False)
     assert caplog.text == ""  # a run whose controller reads no load needs no psutil
+    with caplog.at_level(logging.WARNING, logger="batchpilot"):
+        model = torch.nn.Linear(4, 2)
+        batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), data, batch_size=8, progress=False,
+                         controller=ThresholdRules(), system_every=None)  # util_source="gpu", on a CPU
+    assert caplog.text == ""  # its GPU rule is skipped on a CPU by design: nothing to warn about

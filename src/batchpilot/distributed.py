@@ -49,6 +49,8 @@ def is_distributed() -> bool:
 
 def rank_and_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
     """Resolve ``(rank, world_size)``: explicit values win, then the process group, then ``(0, 1)``."""
+    if world_size == 1 and rank is None:
+        return 0, 1  # this process on its own, whatever its rank in a process group
     if dist.is_available() and dist.is_initialized():
         rank = dist.get_rank() if rank is None else rank
         world_size = dist.get_world_size() if world_size is None else world_size
@@ -63,12 +65,9 @@ def group_size(group: Any = None) -> int:
 
 
 def _comm_device() -> torch.device:
-    """Device for small collective tensors: CUDA where the group has NCCL (``"nccl"``, or a mixed group such as
-    ``"cpu:gloo,cuda:nccl"``, torch's default on a GPU host), CPU otherwise (gloo)."""
-    backend = str(dist.get_backend())
-    if backend != "nccl" and torch.cuda.is_available() and hasattr(dist, "get_backend_config"):
-        backend = str(dist.get_backend_config())
-    if "nccl" in backend and torch.cuda.is_available():
+    """Device for small collective tensors: CUDA under NCCL, CPU otherwise (gloo; a mixed group such as
+    ``"cpu:gloo,cuda:nccl"`` gets CPU tensors too, which its gloo part reduces)."""
+    if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -237,8 +237,6 @@ class Pilot:
                     "group, so wrap the model with DDP over the default group (hybrid parallelism with a data-"
                     "parallel subgroup is not supported)."
                 )
-        if not ddp and self.world_size > 1:
-            bpdist.broadcast_module(self._module)  # as DDP does when it is built: every rank starts from rank 0's
         self.oom_recovery = oom_recovery
         # Who sums the gradients over ranks: DDP inside the last backward, or the engine at the step's end
         # (without DDP, and under OOM recovery, where the ranks must agree on a replay before any reduction).
@@ -268,6 +266,8 @@ class Pilot:
             # NCCL collectives (the decisions, the statistics, checkpoints) run on the *current* CUDA device:
             # make it this rank's, or every rank that skipped torch.cuda.set_device would talk on cuda:0.
             torch.cuda.set_device(self.device)
+        if not ddp and self.world_size > 1:  # (after set_device: under NCCL the broadcast runs on this device)
+            bpdist.broadcast_module(self._module)  # as DDP does when it is built: every rank starts from rank 0's
         self.loader = AdaptiveDataLoader(
             dataset,
             batch_size,
@@ -413,6 +413,7 @@ class Pilot:
         if self._micro is not None:  # inside a step: the step's end applies it in place of a decision
             self._override = size
             return
+        self._override = None  # between steps it replaces one made in a step the loop left unfinished
         current = self.loader.batch_size
         new, note = validate_decision(size, current=current, min_size=self.min_batch_size,
                                       max_size=self.max_batch_size, source="set_batch_size()")
@@ -981,7 +982,8 @@ class Pilot:
         """
         if self._micro is not None:
             raise RuntimeError("load_state_dict() was called in the middle of a step; call it between steps "
-                               "(before the loop, after it, or from a callback added with add_callback).")
+                               "(before the loop, after it, or from a callback added with add_callback; a loop left "
+                               "with break over a generator you keep ends only at gen.close()).")
         shape = _state_shape_problem(state)
         if shape is not None:
             raise CheckpointError(shape)
@@ -1021,10 +1023,10 @@ class Pilot:
                 f"the checkpoint passed every check but failed while loading ({type(exc).__name__}: {exc}); this "
                 "Pilot is now partly loaded: build it again and load an earlier checkpoint."
             ) from exc
+        if self._log is not None and state["log_position"] is not None:
+            self._log.truncate(state["log_position"])  # before _keep_own_settings logs what it changes
         self._keep_own_settings(drop_last, micro, noise_every)
         self._dropped_reported = self.loader.sampler.dropped_samples
-        if self._log is not None and state["log_position"] is not None:
-            self._log.truncate(state["log_position"])
         if self._tb is not None:
             self._tb.resume_after(self.samples_seen)
         if in_loop:  # the loop goes on with the loaded position: its next step's LR factor
@@ -1044,23 +1046,28 @@ class Pilot:
                     "with the same lr_schedulers, in the same order."]
         problems = []
         for i, (scheduler, s) in enumerate(zip(here, saved)):
-            try:  # torch's schedulers take any dict (__dict__.update): check the keys the copy would need
-                trial = copy.deepcopy(scheduler, {id(self.optimizer): self.optimizer})
-                before = set(vars(trial))
+            # torch's schedulers take any dict (__dict__.update): the keys this scheduler saves must be there.
+            missing = sorted(k for k in scheduler.state_dict() if k not in s)
+            if missing:
+                problems.append(f"LR scheduler {i} ({names[i]}): the checkpoint's state lacks {missing}; build the "
+                                "Pilot with the schedulers of the run that saved it.")
+                continue
+            try:  # the copy shares the optimizer and the model (a bound method's owner may hold them)
+                trial = copy.deepcopy(scheduler, {id(self.optimizer): self.optimizer, id(self._module): self._module})
+            except Exception:  # a scheduler that cannot be copied is loaded for real only
+                continue
+            try:
                 trial.load_state_dict(copy.deepcopy(s))  # some pop keys from the dict they load (CyclicLR)
             except Exception as exc:
                 problems.append(f"LR scheduler {i} ({names[i]}) does not load its state ({type(exc).__name__}: {exc})")
-                continue
-            missing = sorted(k for k in before - set(s) if not k.startswith("_") and k != "optimizer")
-            if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) and missing:
-                problems.append(f"LR scheduler {i} ({names[i]}): the checkpoint's state lacks {missing}; build the "
-                                "Pilot with the schedulers of the run that saved it.")
         return problems
 
     def _warn_if_system_stats_missing(self, system_every: int | None) -> None:
         """Warn when the controller reads system load (``system/*`` in its ``required_stats``) that this run
         will never measure: sampling is off, psutil is missing, or NVML is missing on a GPU."""
-        wanted = [k for k in getattr(self.controller, "required_stats", ()) if k.startswith("system/")]
+        on_gpu = self.device.type == "cuda"  # without one, rules on GPU load are skipped by design
+        wanted = [k for k in getattr(self.controller, "required_stats", ())
+                  if k.startswith("system/") and (on_gpu or not k.startswith("system/gpu"))]
         if not wanted or not self._lead:
             return
         name = controller_name(self.controller)
@@ -1140,13 +1147,14 @@ class Pilot:
     def save_checkpoint(self, path: str | os.PathLike | None = None) -> Path | None:
         """Save :meth:`state_dict` atomically (rank 0 writes; every rank must call).
 
-        ``path`` defaults to ``checkpoint_dir/step-<step>.pt``; a folder (one that exists, or a path ending in a
-        separator) gets ``step-<step>.pt`` inside it, as :meth:`load_checkpoint` reads folders. Older files
+        ``path`` defaults to ``checkpoint_dir/step-<step>.pt``; a folder (one that exists, or a string ending in a
+        separator; ``pathlib`` drops a trailing one) gets ``step-<step>.pt`` inside it, as :meth:`load_checkpoint` reads folders. Older files
         beyond ``keep_checkpoints`` in ``checkpoint_dir`` are removed. Returns the path on rank 0, ``None``
         elsewhere."""
         if self._micro is not None:  # before the LR factor is touched: a caught error leaves the step as it was
             raise RuntimeError("save_checkpoint() was called in the middle of a step; call it between steps "
-                               "(after the loop, or from a callback added with add_callback).")
+                               "(after the loop, or from a callback added with add_callback; a loop left with break "
+                               "over a generator you keep ends only at gen.close()).")
         if path is None:
             if self.checkpoint_dir is None:
                 raise ValueError("save_checkpoint() needs a path, or a Pilot built with checkpoint_dir=...")

@@ -92,7 +92,8 @@ class StepStats:
                     "the DDP model already has a communication hook (a compression hook, say), so batchpilot cannot "
                     "read each rank's gradient inside the all-reduce, and with one micro-batch per step that is the "
                     "only small batch: the noise scale would never be measured. Set gradient_accumulation_steps >= 2 "
-                    "(Hugging Face) or accumulate_grad_batches >= 2 (Lightning), or train without the hook."
+                    "(Hugging Face) or accumulate_grad_batches >= 2 (Lightning; with manual optimization, which allows no "
+                    "accumulation, train without the hook), or train without the hook."
                 )
             logger.warning("the DDP model already has a communication hook: the last micro-batch of each rank is "
                            "not measured, so the noise scale rests on the other micro-batches (see docs/statistics.md)")

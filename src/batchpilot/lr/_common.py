@@ -22,7 +22,7 @@ def _check_stat(value: Any, name: str) -> float:
             f"{type(value).__name__}."
         )
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}; until it is measured use AdaScaleLR.gain_for(size), which returns min(1, size / base_batch_size).")
+        raise ValueError(f"{name} must be finite, got {value!r}; until it is measured pass None to AdaScaleLR.gain_for(size, ...), which then returns min(1, size / base_batch_size).")
     return float(value)
 
 
