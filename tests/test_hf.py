@@ -895,22 +895,18 @@ def test_missing_framework_names_the_extra_and_the_core_never_imports_it(module,
     assert f'pip install -e ".[{extra}]"' in out.stdout and "which is not installed" in out.stdout
 
 
-def test_the_hf_integration_names_the_torch_it_needs():
+@pytest.mark.parametrize("package, fake, expected", [
     # transformers 5 turns Trainer into a placeholder under torch < 2.6: say so instead of failing later.
-    code = ("import torch\ntorch.__version__ = '2.5.1+cpu'\ntry:\n    import batchpilot.integrations.hf\n"
-            "except ImportError as err:\n    print(err)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "needs torch >= 2.6" in out.stdout and "2.5.1+cpu" in out.stdout
-
-
-def test_the_hf_integration_names_the_transformers_it_needs():
+    ("torch", "2.5.1+cpu", "needs torch >= 2.6"),
     # The trainer overrides Trainer internals of transformers 5; a 4.x install must be told, not misbehave.
-    code = ("import transformers\ntransformers.__version__ = '4.45.2'\ntry:\n    import batchpilot.integrations.hf\n"
+    ("transformers", "4.45.2", "needs transformers >= 5.0, < 6"),
+])
+def test_the_hf_integration_names_the_versions_it_needs(package, fake, expected):
+    code = (f"import {package}\n{package}.__version__ = {fake!r}\ntry:\n    import batchpilot.integrations.hf\n"
             "except ImportError as err:\n    print(err)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "needs transformers >= 5.0, < 6" in out.stdout and "4.45.2" in out.stdout
+    assert expected in out.stdout and fake in out.stdout
 
 
 # --------------------------------------------------------------------------------------------- example
