@@ -428,6 +428,19 @@ def test_missing_matplotlib_names_the_extra(monkeypatch, tmp_path):
         plot_log(log, tmp_path)
 
 
+def test_without_matplotlib_the_bench_report_is_its_tables(monkeypatch, tmp_path):
+    from batchpilot.bench import run_benchmark
+    from batchpilot.bench.report import write_report
+
+    results = run_benchmark("synthetic", "static:64", [0], budget_s=5, out_dir=tmp_path / "bench", progress=False,
+                            calibrate_steps=1)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    written = write_report(results, tmp_path / "report")
+    assert list(written) == ["report"] and not list((tmp_path / "report").glob("*.png"))
+    text = written["report"].read_text()
+    assert "## Median time to target" in text and 'No plots: ' in text and 'pip install -e ".[plot]"' in text
+
+
 # -------------------------------------------------------------------------------------- workloads
 def test_mnist1d_cnn_shapes_and_seeding():
     model = mnist1d_cnn(0)

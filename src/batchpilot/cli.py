@@ -196,13 +196,9 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         for key in ("a", "b", "c"):
             entry = results["targets"][key]
             print(f"target ({key}): {entry['status']}: {entry['text']}")
-        try:
-            write_report(results, folder)
-        except ImportError as exc:  # matplotlib missing: the results are still there
-            print(f"batchpilot bench: no plots: {exc}", file=sys.stderr)
-            print(f"\nresults: {folder / 'results.json'}")
-            continue
-        print(f"\nreport: {folder / 'report.md'} (plots and results.json beside it)")
+        written = write_report(results, folder)
+        beside = "plots and results.json" if len(written) > 1 else "results.json; no plots without matplotlib"
+        print(f"\nreport: {folder / 'report.md'} ({beside} beside it)")
     if len(workloads) > 1:
         print(f"\nall workloads: {write_index(everything, out)}")
     return 0

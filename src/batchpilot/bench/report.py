@@ -218,7 +218,7 @@ def check_results(results: Any, path: str | os.PathLike = "results.json") -> Non
 
 
 def write_report(results: dict[str, Any], out_dir: str | os.PathLike) -> dict[str, Path]:
-    """Write ``report.md`` and the plots into ``out_dir``.
+    """Write ``report.md`` and the plots into ``out_dir`` (without matplotlib: ``report.md`` alone, saying so).
 
     Args:
         results: What :func:`~batchpilot.bench.runner.run_benchmark` returned (or ``results.json`` loaded).
@@ -229,15 +229,19 @@ def write_report(results: dict[str, Any], out_dir: str | os.PathLike) -> dict[st
         ``"noise_scale"`` and ``"throughput"`` when there was something to plot.
 
     Raises:
-        ImportError: matplotlib is missing (names the extra to install).
         ValueError: ``results`` has no runs.
     """
     if not results.get("runs"):
         raise ValueError("the results hold no runs: nothing to report; run `batchpilot bench` first.")
-    _pyplot()  # fail early, with the extra to install, if matplotlib is missing
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results = _refresh(results)
+    try:
+        _pyplot()
+    except ImportError as exc:  # the tables are the report; the plots are extra
+        path = out / "report.md"
+        path.write_text(_markdown(results, {}) + f"\n(No plots: {exc})\n", encoding="utf-8")
+        return {"report": path}
     paths = {"report": out / "report.md", **plot_bench(results, out)}
     paths["report"].write_text(_markdown(results, paths), encoding="utf-8")
     return paths
