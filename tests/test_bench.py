@@ -256,6 +256,8 @@ def test_policy_list_errors():
     (["bench", "--workload", "synthetic", "--tune-factors", "0,1"], "must list positive numbers"),
     (["bench", "--workload", "synthetic", "--policies", "noise-scale:5"], "takes no argument"),
     (["bench", "--workload", "synthetic", "--seeds", "0,x"], "'x' is not a whole number"),
+    (["bench", "--workload", "synthetic", "--seeds", "\u00b2"], "'\u00b2' is not a whole number"),
+    (["bench", "--workload", "synthetic", "--seeds", str(2**64)], "is not a whole number in [0, 2**63)"),
     (["bench", "--workload", "synthetic", "--target-accuracy", "1.5"], "--target-accuracy must be in (0, 1]"),
     (["bench", "--workload", "synthetic", "--budget-s", "0"], "--budget-s must be a positive"),
 ])

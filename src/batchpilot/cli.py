@@ -101,8 +101,8 @@ def _seeds(text: str) -> list[int]:
     for item in (t.strip() for t in text.split(",")):
         if not item:
             continue
-        if not item.isdigit():
-            raise ValueError(f"--seeds: {item!r} is not a whole number >= 0; pass e.g. --seeds 0,1,2.")
+        if not (item.isascii() and item.isdigit()) or int(item) >= 2**63:  # "²" is a digit; torch seeds are int64
+            raise ValueError(f"--seeds: {item!r} is not a whole number in [0, 2**63); pass e.g. --seeds 0,1,2.")
         seeds.append(int(item))
     if not seeds:
         raise ValueError("--seeds is empty; pass at least one seed, e.g. --seeds 0.")
