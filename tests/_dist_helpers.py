@@ -439,3 +439,20 @@ def group_setup_worker(rank: int, world_size: int, init_file: str, out_dir: str)
         result["hook"] = str(err)
     Path(out_dir, f"group{rank}.json").write_text(json.dumps(result))
     finish()
+
+
+def failing_controller_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    """Rank 0's controller fails at step 3: every rank stops, and the finished step is saved once, together."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    model = make_model()
+    pilot = batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), make_data(), batch_size=8,
+                             controller=lambda step, size: 0 if step == 3 else size,
+                             checkpoint_dir=Path(out_dir, "ckpt"), checkpoint_every=50)
+    try:
+        for x, y in pilot.batches(max_steps=10):
+            pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+        error = None
+    except Exception as exc:  # rank 0: the controller's error; rank 1: told by rank 0
+        error = f"{type(exc).__name__}: {exc}"
+    Path(out_dir, f"failing{rank}.json").write_text(json.dumps({"error": error, "step": pilot.step}))
+    finish()

@@ -232,3 +232,11 @@ def test_the_pilot_checks_and_aligns_the_process_group_it_finds(tmp_path):
         assert "disagree with the process group" in r["swapped"]
         assert "communication hook" in r["hook"] and "accumulate_grad_batches >= 2" in r["hook"]
     assert r0["solo_sizes"] == [4, 3, 3] and r1["solo_sizes"] == [4, 4, 4, 4, 4]  # each rank decides alone
+
+
+def test_a_failing_controller_stops_every_rank_after_saving_the_finished_step(tmp_path):
+    mp.spawn(h.failing_controller_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"failing{r}.json").read_text()) for r in range(2))
+    assert r0["error"].startswith("InvalidDecisionError") and "rank 0's controller failed" in r1["error"]
+    assert r0["step"] == r1["step"] == 3
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step-000000003.pt"]

@@ -356,3 +356,21 @@ def test_add_callback_refuses_what_it_cannot_call():
     _, pilot = build()
     with pytest.raises(TypeError, match=r"add_callback\(\) takes a function"):
         pilot.add_callback(3)  # type: ignore[arg-type]
+
+
+def test_a_failing_controller_saves_the_finished_step_before_stopping(tmp_path):
+    """A controller returning 0 at step 5 stops the run with its error; with a checkpoint_dir the finished step
+    is saved first (none was due until step 100), so a fixed controller resumes from step 5, nothing lost."""
+    def controller(step, size):
+        return 0 if step == 5 else size
+
+    model, pilot = build(controller=controller, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=100)
+    with pytest.raises(batchpilot.controllers.InvalidDecisionError) as info:
+        train(pilot, model, 20)
+    assert pilot.step == 5
+    if sys.version_info >= (3, 11):
+        assert any("saved the finished step 5" in note for note in info.value.__notes__)
+    weights = state_of(model)
+    model, resumed = build(controller=lambda step, size: size, checkpoint_dir=tmp_path / "ckpt")
+    assert resumed.load_checkpoint(tmp_path / "ckpt") == tmp_path / "ckpt" / "step-000000005.pt"
+    assert resumed.step == 5 and same(state_of(model), weights)

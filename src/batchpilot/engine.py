@@ -877,16 +877,38 @@ class Pilot:
                         on_invalid=self.on_invalid,
                         source=source,
                     )
-            except Exception:
+            except Exception as exc:
                 if due and self.world_size > 1:
                     bpdist.broadcast_int(-1)  # tell the other ranks, so they fail too instead of hanging
+                if due:
+                    self._keep_finished_step(exc)
                 raise
         if due and self.world_size > 1:
             new = bpdist.broadcast_int(new)
             if new < 1:
-                raise RuntimeError("rank 0's controller failed (see rank 0's error); stopping this rank too.")
+                error = RuntimeError("rank 0's controller failed (see rank 0's error); stopping this rank too.")
+                self._keep_finished_step(error)
+                raise error
         self._log_decision(current, new, source, note, record)
         self.loader.set_batch_size(new)
+
+    def _keep_finished_step(self, error: Exception) -> None:
+        """The controller failed after a finished step (every rank gets here, so the save's collectives match):
+        with a ``checkpoint_dir``, save that step before the error stops the run, so nothing trained is lost.
+        The checkpoint continues at the current size; a resumed run asks the controller again when next due."""
+        if self.checkpoint_dir is None:
+            return
+        try:
+            path = self.save_checkpoint()
+        except Exception as save_error:  # the controller's error is the one to report
+            logger.error("the controller failed at step %d and saving that step failed too: %s", self.step, save_error)
+            return
+        if self._lead:
+            message = (f"batchpilot saved the finished step {self.step} to {path} before stopping: fix the controller "
+                       "and resume from it (load_checkpoint(checkpoint_dir)); nothing trained is lost.")
+            logger.error("%s", message)
+            if hasattr(error, "add_note"):  # Python >= 3.11: shown with the traceback
+                error.add_note(message)
 
     def _log_decision(self, current: int, new: int, source: str, note: str | None, record: dict[str, Any]) -> None:
         if new == current and note is None:
