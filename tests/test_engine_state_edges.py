@@ -374,3 +374,72 @@ def test_a_failing_controller_saves_the_finished_step_before_stopping(tmp_path):
     model, resumed = build(controller=lambda step, size: size, checkpoint_dir=tmp_path / "ckpt")
     assert resumed.load_checkpoint(tmp_path / "ckpt") == tmp_path / "ckpt" / "step-000000005.pt"
     assert resumed.step == 5 and same(state_of(model), weights)
+
+
+def test_numpy_integers_as_settings_give_loadable_checkpoints_and_plain_int_decisions(tmp_path):
+    np = pytest.importorskip("numpy")
+    model, pilot = build(noise_every=np.int64(2), controller=lambda step, size: 64, max_batch_size=np.int64(16),
+                         max_micro_batch_size=None, lr_rule="adascale", log_path=tmp_path / "log.jsonl",
+                         grad_clip=np.float32(1.0))
+    train(pilot, model, 3)
+    path = pilot.save_checkpoint(tmp_path / "np.pt")
+    pilot.close()
+    model, resumed = build(noise_every=2, controller=lambda step, size: 64, max_batch_size=16,
+                           max_micro_batch_size=None, lr_rule="adascale")
+    resumed.load_checkpoint(path)  # torch.load(weights_only=True) refuses numpy scalars
+    assert resumed.step == 3
+    decisions = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines() if '"decision"' in line]
+    assert decisions and all(type(d["new_size"]) is int for d in decisions)  # not the string "16"
+
+
+def test_a_skipped_step_does_not_step_per_step_schedulers():
+    from torch.optim import lr_scheduler as lrs
+
+    ds, model = make_problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = lrs.StepLR(opt, step_size=1, gamma=0.5)
+    pilot = batchpilot.Pilot(model, opt, ds, batch_size=8, progress=False, lr_schedulers=[scheduler])
+    for x, y in pilot.batches(max_steps=3):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        pilot.backward(loss * float("nan") if pilot.step == 1 else loss)
+    assert pilot.skipped_steps == 1 and scheduler.last_epoch == 2  # two updates, two scheduler steps
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
+
+
+def test_half_precision_gradient_norms_do_not_overflow():
+    from batchpilot.clipping import grad_norm
+
+    layer = torch.nn.Linear(300, 300).half()
+    layer.weight.grad = torch.full((300, 300), 300.0, dtype=torch.float16)  # every element finite, norm 90000
+    layer.bias.grad = torch.zeros(300, dtype=torch.float16)
+    assert grad_norm(layer.parameters()) == pytest.approx(90000, rel=1e-3)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(amp="fp16", half=True), "amp='fp16' needs float32 parameters"),
+    (dict(lr_knee=0), "lr_knee must be"),
+    (dict(batch_size=0, lr_rule="linaer"), r"(?s)batch_size.*unknown lr_rule 'linaer'"),  # reported together
+    (dict(other_optimizer=True), "built on another optimizer"),
+])
+def test_settings_refused_when_the_pilot_is_built(kwargs, message):
+    from torch.optim import lr_scheduler as lrs
+
+    ds, model = make_problem()
+    if kwargs.pop("half", False):
+        model = model.half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if kwargs.pop("other_optimizer", False):
+        kwargs["lr_schedulers"] = [lrs.StepLR(torch.optim.SGD(model.parameters(), lr=0.1), step_size=1)]
+    kwargs.setdefault("batch_size", 8)
+    with pytest.raises((TypeError, ValueError), match=message):
+        batchpilot.Pilot(model, opt, ds, progress=False, **kwargs)
+
+
+def test_a_checkpoint_of_a_partly_compiled_model_names_the_real_difference(tmp_path):
+    ds, model = make_problem()
+    model[0] = torch.compile(model[0], backend="eager")  # one submodule compiled: its keys gain '_orig_mod.'
+    pilot = batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), ds, batch_size=8, progress=False)
+    path = pilot.save_checkpoint(tmp_path / "part.pt")
+    _, eager = build()
+    with pytest.raises(batchpilot.CheckpointError, match="only torch.compile's '_orig_mod.' in the names differs"):
+        eager.load_checkpoint(path)

@@ -233,7 +233,12 @@ def fit_problems(state: Mapping[str, Any], *, model: torch.nn.Module, optimizer:
         parts = ([f"missing {_listed(missing)}"] if missing else []) + \
                 ([f"unexpected {_listed(unexpected)}"] if unexpected else []) + \
                 ([f"other shapes: {_listed(shapes)}"] if shapes else [])
-        problems.append(f"the model differs ({'; '.join(parts)}); build the same model as the run that saved it.")
+        fix = "build the same model as the run that saved it"
+        if {k.replace("_orig_mod.", "") for k in saved} == {k.replace("_orig_mod.", "") for k in current}:
+            fix = ("only torch.compile's '_orig_mod.' in the names differs: a submodule was compiled in one run and "
+                   "not in the other; compile the same submodules, or compile the whole model (torch.compile(model) "
+                   "or model.compile()), whose checkpoints hold the bare names either way")
+        problems.append(f"the model differs ({'; '.join(parts)}); {fix}.")
     written = (state.get("pilot") or {}).get("optimizer_class")
     if written is not None and written != class_name(optimizer):
         problems.append(f"the checkpoint was written with optimizer {written}, this Pilot has "

@@ -24,11 +24,31 @@ def sum_of_squares(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...], lazy:
     """
     if not tensors:
         return 0.0
-    norms = torch._foreach_norm(tensors)
+    norms = _norms(tensors)
     if tensors[0].device.type != "cpu":
         total = _stacked_sum_of_squares(norms)
         return total if lazy else float(total)
     return sum(float(n) ** 2 for n in norms)
+
+
+def _norms(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """Each tensor's L2 norm; those of float16/bfloat16 tensors in float32 (a float16 norm overflows to inf
+    above 65504 although every element is finite, and a bfloat16 one keeps ~3 digits)."""
+    low = [i for i, t in enumerate(tensors) if t.dtype in (torch.float16, torch.bfloat16)]
+    if not low:
+        return list(torch._foreach_norm(tensors))
+    norms: list[Any] = [None] * len(tensors)
+    rest = [i for i in range(len(tensors)) if i not in set(low)]
+    if rest:
+        for i, n in zip(rest, torch._foreach_norm([tensors[i] for i in rest])):
+            norms[i] = n
+    try:
+        low_norms = list(torch._foreach_norm([tensors[i] for i in low], 2, dtype=torch.float32))
+    except TypeError:  # torch before the dtype argument: one norm per tensor
+        low_norms = [torch.linalg.vector_norm(tensors[i], dtype=torch.float32) for i in low]
+    for i, n in zip(low, low_norms):
+        norms[i] = n
+    return norms
 
 
 def _stacked_sum_of_squares(norms: Sequence[torch.Tensor]) -> torch.Tensor:

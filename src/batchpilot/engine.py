@@ -22,6 +22,7 @@ import contextlib
 import copy
 import logging
 import math
+import numbers
 import os
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -199,7 +200,9 @@ class Pilot:
             oom_recovery=lambda: check_bool(oom_recovery, "oom_recovery"),
             skip_nonfinite=lambda: check_bool(skip_nonfinite, "skip_nonfinite"),
             progress=lambda: progress is None or check_bool(progress, "progress"),
-            lr_schedulers=lambda: _check_schedulers(lr_schedulers),
+            lr_schedulers=lambda: _check_schedulers(lr_schedulers, optimizer),
+            lr_rule=lambda: _check_rule(lr_rule, "lr_rule", also=("adascale",)),  # the message names every rule
+            lr_knee=lambda: check_positive_int(lr_knee, "lr_knee"),
         )
         if not problems and checkpoint_every is not None and checkpoint_dir is None:
             problems.append("checkpoint_every is set but checkpoint_dir is None; pass checkpoint_dir=... too.")
@@ -209,6 +212,16 @@ class Pilot:
                 problems.append(f"batch_size={batch_size} lies outside [min_batch_size={lo}, max_batch_size={hi}].")
         if problems:
             raise ValueError("invalid Pilot arguments:\n  - " + "\n  - ".join(problems))
+        # Plain ints from here on (a numpy integer passes the checks but would be pickled into checkpoints,
+        # which torch.load(weights_only=True) then refuses to read).
+        batch_size, decide_every, loss_history, keep_checkpoints = (
+            int(batch_size), int(decide_every), int(loss_history), int(keep_checkpoints))
+        min_batch_size, max_batch_size, base_batch_size, noise_every, system_every, checkpoint_every = (
+            None if v is None else int(v)
+            for v in (min_batch_size, max_batch_size, base_batch_size, noise_every, system_every, checkpoint_every))
+        if amp == "fp16" and any(p.dtype == torch.float16 for p in model.parameters() if p.requires_grad):
+            raise ValueError("amp='fp16' needs float32 parameters (the GradScaler cannot unscale float16 gradients); "
+                             "keep the model in float32 (autocast runs the float16 math), or use amp='bf16' or amp=None.")
 
         self.model = model
         self.optimizer = optimizer
@@ -288,7 +301,6 @@ class Pilot:
         self.min_batch_size, self.max_batch_size = min_batch_size, max_batch_size
         self.on_invalid = on_invalid
         adascale = lr_rule == "adascale"
-        _check_rule(lr_rule, "lr_rule", also=("adascale",))  # the message names every rule Pilot takes
         base = batch_size if base_batch_size is None else base_batch_size
         self.coupling = LRCoupling(optimizer, base, rule="none" if adascale else lr_rule,
                                    knee=lr_knee)
@@ -305,7 +317,7 @@ class Pilot:
                 )
         self.amp = amp
         self.scaler = torch.amp.GradScaler(self.device.type) if amp == "fp16" else None
-        self.grad_clip = grad_clip
+        self.grad_clip = float(grad_clip) if isinstance(grad_clip, numbers.Real) else grad_clip
         self._stats_clip = StatsClip() if grad_clip == "stats" else None
         self.skip_nonfinite = skip_nonfinite
         self.loss_reduction = loss_reduction
@@ -762,9 +774,9 @@ class Pilot:
         if self._couple:
             self.coupling.unscale()
         for scheduler in self.lr_schedulers:
-            if isinstance(scheduler, SampleLRSchedule):
+            if isinstance(scheduler, SampleLRSchedule):  # a function of samples: it follows the data consumed
                 scheduler.step(self.samples_seen if self.adascale is None else self.adascale.progress_samples)
-            else:
+            elif not skipped:  # a per-step scheduler counts updates: a skipped step made none (as accelerate)
                 scheduler.step()
 
         now = time.perf_counter()
@@ -1275,7 +1287,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and ("out of memory" in message or "can't allocate memory" in message)
 
 
-def _check_schedulers(schedulers: Any) -> None:
+def _check_schedulers(schedulers: Any, optimizer: torch.optim.Optimizer) -> None:
     """``lr_schedulers`` holds LR schedulers: objects with ``step()``, ``state_dict()`` and ``load_state_dict()``
     (torch's, batchpilot's sample schedules, or your own), stepped once per step."""
     if isinstance(schedulers, (str, bytes)) or not isinstance(schedulers, Sequence):
@@ -1285,12 +1297,16 @@ def _check_schedulers(schedulers: Any) -> None:
         if lacks:
             raise TypeError(f"lr_schedulers[{i}] is {s!r}, which has no {', '.join(m + '()' for m in lacks)}: pass LR schedulers "
                             "(torch.optim.lr_scheduler or batchpilot.lr schedules) built on this Pilot's optimizer.")
+        if getattr(s, "optimizer", optimizer) is not optimizer:
+            raise ValueError(f"lr_schedulers[{i}] ({type(s).__name__}) was built on another optimizer than the Pilot's, "
+                             "so it would schedule an optimizer that is not trained; build it on the optimizer you "
+                             "pass to Pilot.")
 
 
 def _check_grad_clip(value: Any) -> None:
-    if value is None or value == "stats":
+    if value is None or (isinstance(value, str) and value == "stats"):
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0 or not math.isfinite(value):
         raise ValueError(f"grad_clip must be None, a positive finite max-norm or 'stats'; got {value!r}.")
 
 

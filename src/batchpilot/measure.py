@@ -206,7 +206,7 @@ class GradientNoiseProbe:
         return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"every": self.every, "estimator": self.estimator.state_dict()}
+        return {"every": int(self.every), "estimator": self.estimator.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.every = int(state["every"])

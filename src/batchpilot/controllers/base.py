@@ -112,9 +112,9 @@ def validate_decision(
         return current, f"invalid value {value!r} ({problem}); kept {current}"
     size = int(value)
     if min_size is not None and size < min_size:
-        return min_size, f"clamped {size} up to min_size={min_size}"
+        return int(min_size), f"clamped {size} up to min_size={min_size}"
     if max_size is not None and size > max_size:
-        return max_size, f"clamped {size} down to max_size={max_size}"
+        return int(max_size), f"clamped {size} down to max_size={max_size}"
     return size, None
 
 
