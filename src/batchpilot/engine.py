@@ -317,7 +317,7 @@ class Pilot:
                 )
         self.amp = amp
         self.scaler = torch.amp.GradScaler(self.device.type) if amp == "fp16" else None
-        self.grad_clip = float(grad_clip) if isinstance(grad_clip, numbers.Real) else grad_clip
+        self.grad_clip = grad_clip if grad_clip is None or isinstance(grad_clip, str) else float(grad_clip)
         self._stats_clip = StatsClip() if grad_clip == "stats" else None
         self.skip_nonfinite = skip_nonfinite
         self.loss_reduction = loss_reduction
@@ -1306,7 +1306,8 @@ def _check_schedulers(schedulers: Any, optimizer: torch.optim.Optimizer) -> None
 def _check_grad_clip(value: Any) -> None:
     if value is None or (isinstance(value, str) and value == "stats"):
         return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0 or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) > 0 \
+            or not math.isfinite(float(value)):
         raise ValueError(f"grad_clip must be None, a positive finite max-norm or 'stats'; got {value!r}.")
 
 
