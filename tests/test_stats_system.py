@@ -48,7 +48,10 @@ class FakeNVML(types.ModuleType):
         self.uuids = []
 
     def nvmlInit(self):
-        pass
+        self.live = getattr(self, "live", 0) + 1
+
+    def nvmlShutdown(self):
+        self.live -= 1
 
     def nvmlDeviceGetHandleByUUID(self, uuid):
         self.uuids.append(uuid)
@@ -84,6 +87,17 @@ def test_gpu_metrics_from_nvml(fake_cuda):
     assert nvml.uuids == ["GPU-abcd-0001"]  # torch's index mapped to NVML through the UUID
     assert sample["system/gpu_util"] == 37.0
     assert sample["system/gpu_mem_frac"] == 0.25  # no CUDA context yet: NVML's used / total
+
+
+def test_closing_the_monitor_releases_nvml_and_a_later_sample_takes_it_again(fake_cuda):
+    nvml = FakeNVML()
+    fake_cuda.setitem(sys.modules, "pynvml", nvml)
+    monitor = SystemMonitor(device="cuda:0")
+    assert nvml.live == 1
+    monitor.close()
+    monitor.close()  # twice is fine
+    assert nvml.live == 0
+    assert monitor.sample()["system/gpu_util"] == 37.0 and nvml.live == 1
 
 
 def test_gpu_memory_from_torch_once_cuda_is_initialised(fake_cuda):

@@ -1241,6 +1241,7 @@ class Pilot:
 
         The Pilot stays usable: a later :meth:`batches` starts new workers and reopens the log (appending)."""
         self.loader.close()
+        self._meter.close()  # NVML's nvmlShutdown, paired with its nvmlInit
         if self._log is not None:
             self._log.close()
         if self._tb is not None:

@@ -291,6 +291,11 @@ class StepMeter:
         self._micro_sizes.append(size)
         self._micro_seconds.append(self.timer.stop())
 
+    def close(self) -> None:
+        """Release what the system monitor holds (NVML); sampling later starts it again."""
+        if self.monitor is not None:
+            self.monitor.close()
+
     def discard_step(self) -> None:
         """Forget the micro-batches timed so far in this step (folded in, or to run again after running out
         of memory)."""

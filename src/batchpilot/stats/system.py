@@ -52,6 +52,7 @@ class SystemMonitor:
         self._cuda_index: int | None = None
         self._nvml: Any = None
         self._nvml_handle: Any = None
+        self._closed = False
         dev = None if device is None else torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         if torch.cuda.is_available() and (dev is None or dev.type == "cuda"):
             index = torch.cuda.current_device() if dev is None or dev.index is None else dev.index
@@ -78,6 +79,9 @@ class SystemMonitor:
         }
         if self._cuda_index is None:
             return out
+        if self._closed:  # sampled again after close(): NVML is initialised again
+            self._nvml, self._nvml_handle = _nvml_handle(self._cuda_index)
+            self._closed = False
         if self._nvml_handle is not None:
             try:
                 out["system/gpu_util"] = float(self._nvml.nvmlDeviceGetUtilizationRates(self._nvml_handle).gpu)
@@ -87,6 +91,17 @@ class SystemMonitor:
         if mem_frac is not None:
             out["system/gpu_mem_frac"] = mem_frac
         return out
+
+    def close(self) -> None:
+        """Release NVML (``nvmlShutdown``, paired with the ``nvmlInit`` of this monitor); a later
+        :meth:`sample` initialises it again."""
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception as err:
+                logger.debug("NVML shutdown failed: %s", err)
+            self._nvml, self._nvml_handle = None, None
+            self._closed = True
 
     def _gpu_mem_frac(self) -> float | None:
         # mem_get_info needs a CUDA context; creating one just to read memory would itself use memory,
@@ -121,4 +136,8 @@ def _nvml_handle(index: int) -> tuple[Any, Any]:
         return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
     except Exception as err:  # no driver, no permission, unknown UUID: report no NVML metrics
         logger.debug("NVML unavailable: %s", err)
+        try:
+            pynvml.nvmlShutdown()  # pairs an nvmlInit that succeeded (a no-op error otherwise)
+        except Exception:
+            pass
         return None, None
