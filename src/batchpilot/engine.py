@@ -1086,14 +1086,9 @@ class Pilot:
                 problems.append(f"LR scheduler {i} ({names[i]}): the checkpoint's state lacks {missing}; build the "
                                 "Pilot with the schedulers of the run that saved it.")
                 continue
-            try:  # the copy shares the optimizer and the model (a bound method's owner may hold them)
-                trial = copy.deepcopy(scheduler, {id(self.optimizer): self.optimizer, id(self._module): self._module})
-            except Exception:  # a scheduler that cannot be copied is loaded for real only
-                continue
-            try:
-                trial.load_state_dict(copy.deepcopy(s))  # some pop keys from the dict they load (CyclicLR)
-            except Exception as exc:
-                problems.append(f"LR scheduler {i} ({names[i]}) does not load its state ({type(exc).__name__}: {exc})")
+            failure = self._trial_load(scheduler, s)
+            if failure is not None:
+                problems.append(f"LR scheduler {i} ({names[i]}) does not load its state ({failure})")
         return problems
 
     def _warn_if_system_stats_missing(self, system_every: int | None) -> None:
@@ -1119,9 +1114,10 @@ class Pilot:
     def _warn_about_features(self, state: dict[str, Any]) -> None:
         """Warn when the checkpoint's run had a feature this Pilot lacks, or the other way round (fp16 loss
         scaling, AdaScale, statistics-based clipping): the resumed run then trains differently."""
+        components = self._components()
         for key, what in (("scaler", "amp='fp16' (a GradScaler)"), ("adascale", "lr_rule='adascale'"),
                           ("stats_clip", "grad_clip='stats'")):
-            saved, here = state.get(key) is not None, self._components()[key] is not None
+            saved, here = state.get(key) is not None, components[key] is not None
             if saved != here:
                 logger.warning("the checkpoint was saved %s %s, this Pilot runs %s it; the resumed run trains "
                                "differently from the one that saved it", "with" if saved else "without", what,
@@ -1130,21 +1126,30 @@ class Pilot:
     def _trial_load_problems(self, state: dict[str, Any]) -> list[str]:
         """Load the controller's and the LR rules' states into copies first: one saved by another controller
         (or AdaScale with another B0) is refused before the model or the position change."""
-        problems = []
+        problems, components = [], self._components()
         for key in ("controller", "coupling", "adascale"):
-            obj = self._components()[key]
+            obj = components[key]
             if obj is None or state.get(key) is None:
                 continue
-            try:  # the copy shares the optimizer and model: their states are not what is tried here
-                trial = copy.deepcopy(obj, {id(self.optimizer): self.optimizer, id(self._module): self._module})
-            except Exception:  # an object that cannot be copied is loaded for real only
-                continue
-            try:
-                trial.load_state_dict(copy.deepcopy(state[key]))  # the real load needs the dict unchanged
-            except Exception as exc:
-                problems.append(f"its {key} state does not load into this Pilot's {type(obj).__name__} "
-                                f"({type(exc).__name__}: {exc})")
+            failure = self._trial_load(obj, state[key])
+            if failure is not None:
+                problems.append(f"its {key} state does not load into this Pilot's {type(obj).__name__} ({failure})")
         return problems
+
+    def _trial_load(self, obj: Any, state: Any) -> str | None:
+        """Load ``state`` into a copy of ``obj``; ``"Type: message"`` if that fails, else ``None`` (also when
+        ``obj`` cannot be copied: it is then loaded for real only). The copy shares the optimizer and the model
+        (their states are not what is tried here; a bound method's owner may hold them), and it gets a copy of
+        ``state``: some loaders pop keys from the dict they load (CyclicLR), and the real load needs it whole."""
+        try:
+            trial = copy.deepcopy(obj, {id(self.optimizer): self.optimizer, id(self._module): self._module})
+        except Exception:
+            return None
+        try:
+            trial.load_state_dict(copy.deepcopy(state))
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
 
     def _keep_own_settings(self, drop_last: bool, micro: int | None, noise_every: int | None) -> None:
         """After loading: ``drop_last`` and the batch size bounds are this Pilot's, the micro-batch bound the
