@@ -61,6 +61,19 @@ class SizeList:
         self.i = state["i"]
 
 
+class FailingSizeList(SizeList):
+    """Replays ``sizes``, but its decision number ``fail_at`` raises (the count does not advance)."""
+
+    def __init__(self, sizes: list[int], fail_at: int) -> None:
+        super().__init__(sizes)
+        self.fail_at = fail_at
+
+    def decide(self, obs: batchpilot.Observation) -> int:
+        if self.i == self.fail_at:
+            raise RuntimeError("controller failure")
+        return super().decide(obs)
+
+
 class StatsSpy(SizeList):
     """Replays ``sizes`` and records the statistics every decision saw; it reads the noise scale."""
 

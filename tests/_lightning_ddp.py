@@ -2,9 +2,11 @@
 torchrun (2 gloo ranks on CPU):
 
     torchrun --standalone --nproc-per-node 2 tests/_lightning_ddp.py OUT_DIR [--noise] [--manual]
+        [--dropout] [--save CKPT_DIR] [--resume CKPT]
 
 Writes OUT_DIR/rank<r>.json: per optimizer step the global size and this rank's sample ids, and the final
-weights.
+weights. ``--dropout``: a net with dropout, each rank's generator seeded apart; ``--save``: a checkpoint every
+3 steps; ``--resume``: the fit resumes from that checkpoint.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -82,6 +85,19 @@ class Model(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class DropoutModel(Model):
+    """``Model`` with dropout; each rank draws its own masks (its generator seeded by rank at the fit's start)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Dropout(0.5), torch.nn.Tanh(),
+                                       torch.nn.Linear(8, 2)).double()
+
+    def on_fit_start(self):
+        torch.manual_seed(100 + self.global_rank)
+
+
 class ManualModel(Model):
     """``Model`` with manual optimization: one ``manual_backward`` and one optimizer step per batch."""
 
@@ -101,6 +117,9 @@ class ManualModel(Model):
 def main() -> None:
     out, noise, manual = Path(sys.argv[1]), "--noise" in sys.argv[2:], "--manual" in sys.argv[2:]
     module = ManualModel if manual else Model  # manual optimization: no accumulation (Lightning's rule)
+    if "--dropout" in sys.argv[2:]:
+        module = DropoutModel
+    option = {name: sys.argv[sys.argv.index(name) + 1] for name in ("--save", "--resume") if name in sys.argv}
     if noise:
         controller = StatsSpy(NOISE_SIZES)
         adaptive = AdaptiveBatchSize(controller, batch_size=4, noise_every=1)
@@ -109,12 +128,14 @@ def main() -> None:
         controller = SizeList(SIZES)
         adaptive = AdaptiveBatchSize(controller, batch_size=4)
         model = module(adaptive, make_data(), val=False)
+    savers = [ModelCheckpoint(dirpath=option["--save"], every_n_train_steps=3, save_top_k=-1, filename="{step}")] \
+        if "--save" in option else []
     trainer = L.Trainer(
         max_epochs=2, accelerator="cpu", devices=2, strategy="ddp", accumulate_grad_batches=1 if manual else 2,
-        callbacks=[adaptive], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        callbacks=[adaptive, *savers], logger=False, enable_checkpointing=bool(savers), enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model)
+    trainer.fit(model, ckpt_path=option.get("--resume"))
     result = {
         "rank": trainer.global_rank,
         "world_size": trainer.world_size,

@@ -31,7 +31,16 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from _hf_common import PointSet, Recorder, SentimentText, SizeList, StatsSpy, check_noise_by_hand, tiny_bert
+from _hf_common import (
+    FailingSizeList,
+    PointSet,
+    Recorder,
+    SentimentText,
+    SizeList,
+    StatsSpy,
+    check_noise_by_hand,
+    tiny_bert,
+)
 from transformers import TrainerCallback, TrainingArguments
 
 from batchpilot.controllers import LinearIncrease, linear_increase_scheduler
@@ -710,6 +719,43 @@ def test_resume_from_checkpoint_is_exact(tmp_path, save, workers_after):
     resumed, resumed_weights = run(str(first), workers_after)
     assert [(s.global_size, s.indices.tolist()) for s in resumed] == [
         (s.global_size, s.indices.tolist()) for s in full[done:]
+    ]
+    assert all(torch.equal(a, b) for a, b in zip(full_weights, resumed_weights))
+
+
+@pytest.mark.parametrize("save", ["steps", "no"])
+def test_a_failing_controller_saves_the_finished_step_and_the_resumed_run_loses_nothing(tmp_path, save):
+    """The controller fails after step 5's update: the trainer saves checkpoint-5 (unless save_strategy="no")
+    before the error stops it, and the run resumed from it (with a working controller) continues at the
+    current size and asks the controller at the next step's end: the same samples, sizes and weights as a run
+    whose controller kept the size at that decision. Before, the steps since the last save were lost."""
+    sizes, fail_at = SIZES * 3, 4  # decision 4 comes after step 5 (steps 1-5 at 4, 3, 7, 1, 12)
+
+    def run(controller, out: Path, resume: str | None = None):
+        model = tiny_bert()
+        trainer = AdaptiveBatchSizeTrainer(
+            batch_size_scheduler=controller, model=model, train_dataset=SentimentText(61), data_collator=collate_fn,
+            lr_rule="sqrt", args=quiet_args(out, per_device_train_batch_size=4, num_train_epochs=2,
+                                            save_strategy=save, save_steps=100, learning_rate=3e-3),
+        )
+        steps = record_steps(trainer)
+        trainer.train(resume_from_checkpoint=resume)
+        return steps, [p.detach().clone() for p in model.parameters()]
+
+    with pytest.raises(RuntimeError, match="controller failure") as failure:
+        run(FailingSizeList(sizes, fail_at), tmp_path / "failed")
+    saved = sorted(p.name for p in (tmp_path / "failed").glob("checkpoint-*"))
+    if save == "no":
+        assert saved == []
+        return
+    assert saved == ["checkpoint-5"]
+    if sys.version_info >= (3, 11):  # exception notes
+        assert "saved the finished step 5" in "".join(failure.value.__notes__)
+    kept = sizes[:fail_at] + [sizes[fail_at - 1]] + sizes[fail_at:]  # decision 4 keeps the size
+    full, full_weights = run(SizeList(kept), tmp_path / "full")
+    resumed, resumed_weights = run(SizeList(sizes), tmp_path / "failed", str(tmp_path / "failed" / "checkpoint-5"))
+    assert [(s.global_size, s.indices.tolist()) for s in resumed] == [
+        (s.global_size, s.indices.tolist()) for s in full[5:]
     ]
     assert all(torch.equal(a, b) for a, b in zip(full_weights, resumed_weights))
 

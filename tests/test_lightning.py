@@ -431,6 +431,17 @@ def test_ddp_two_ranks_under_torchrun(tmp_path):
         torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=0, atol=1e-13)
 
 
+@pytest.mark.distributed
+def test_ddp_resume_restores_each_ranks_dropout_draws(tmp_path):
+    """2 gloo ranks, dropout with each rank's own generator: the checkpoint after step 3 holds every rank's
+    generator states, and the resumed fit trains the same steps to the same weights."""
+    full = torchrun(tmp_path / "full", "--dropout", "--save", str(tmp_path / "ckpt"))
+    resumed = torchrun(tmp_path / "resumed", "--dropout", "--resume", str(tmp_path / "ckpt" / "step=3.ckpt"))
+    for whole, rest in zip(full, resumed):
+        assert rest["steps"] == whole["steps"][3:]
+        assert rest["weights"] == whole["weights"]
+
+
 def test_a_later_fit_with_another_module_measures_that_modules_parameters(tmp_path):
     # A second fit whose module trains the same parameters keeps its StepStats, but the statistics must re-read
     # the new module's trainable parameters (they read the first fit's module, so a layer of the new one

@@ -18,7 +18,7 @@ import torch
 
 L = pytest.importorskip("lightning")
 
-from _hf_common import SizeList  # noqa: E402 (after the skip: these import lightning)
+from _hf_common import FailingSizeList, SizeList  # noqa: E402 (after the skip: these import lightning)
 from _lightning_ddp import NUM_SAMPLES, SIZES, Model, make_data  # noqa: E402
 from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint, OnExceptionCheckpoint  # noqa: E402
 
@@ -26,9 +26,9 @@ from batchpilot.integrations.lightning import AdaptiveBatchSize  # noqa: E402
 
 
 def run(tmp_path: Path, *callbacks: Callback, ckpt_path: str | None = None, model_class: type = Model,
-        workers: int = 0, **overrides) -> tuple[Model, AdaptiveBatchSize, L.Trainer]:
-    """One fit of ``model_class`` driven by ``SizeList(SIZES)`` (2 epochs unless overridden)."""
-    adaptive = AdaptiveBatchSize(SizeList(SIZES), batch_size=4)
+        workers: int = 0, controller: SizeList | None = None, **overrides) -> tuple[Model, AdaptiveBatchSize, L.Trainer]:
+    """One fit of ``model_class`` driven by ``controller`` (``SizeList(SIZES)``; 2 epochs unless overridden)."""
+    adaptive = AdaptiveBatchSize(controller or SizeList(SIZES), batch_size=4)
     model = model_class(adaptive, make_data(), workers=workers, val=False)
     settings = dict(
         max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
@@ -101,6 +101,54 @@ def test_a_checkpoint_saved_on_an_exception_inside_a_step_is_exact(tmp_path, acc
     resumed = run(tmp_path, ckpt_path=str(tmp_path / "failed.ckpt"), workers=workers,
                   accumulate_grad_batches=accumulation)
     assert_same_run(full, resumed, steps_before=fail_at // accumulation)
+
+
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_a_failing_controller_with_an_exception_checkpoint_loses_no_step(tmp_path, accumulation):
+    # The controller fails after its step's optimizer update: the exception checkpoint holds that finished
+    # step, and the fit resumed from it (with a working controller) continues at the current size and asks
+    # the controller at the next step's end. The same as a run whose controller kept the size at that
+    # decision. The step used to count as unfinished there: the resumed fit trained it a second time.
+    sizes, fail_at = SIZES * 3, 4
+    with pytest.raises(RuntimeError, match="controller failure"):
+        run(tmp_path, OnExceptionCheckpoint(str(tmp_path), filename="failed"),
+            controller=FailingSizeList(sizes, fail_at), accumulate_grad_batches=accumulation)
+    kept = sizes[:fail_at] + [sizes[fail_at - 1]] + sizes[fail_at:]  # decision fail_at keeps the size
+    full = run(tmp_path, controller=SizeList(kept), accumulate_grad_batches=accumulation)
+    resumed = run(tmp_path, ckpt_path=str(tmp_path / "failed.ckpt"), controller=SizeList(sizes),
+                  accumulate_grad_batches=accumulation)
+    assert_same_run(full, resumed, steps_before=fail_at + 1)
+
+
+class DropoutModel(Model):
+    """``Model`` with dropout: its fits resume exactly only when the checkpoint restores the generators."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        torch.manual_seed(0)  # the same weights and the same draws in every fit
+        self.net = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Dropout(0.5), torch.nn.Tanh(),
+                                       torch.nn.Linear(8, 2)).double()
+
+
+def test_dropout_resumes_exactly_from_saves_inside_steps_at_their_ends_and_on_exceptions(tmp_path):
+    # Lightning saves no generator states, so a resumed fit drew other dropout masks (the data and sizes were
+    # already exact, the weights not). Saves inside a step (batches 4, 25) restore torch's generator as of the
+    # step's start, as the step runs again.
+    full = run(tmp_path, SaveEachBatch(tmp_path), model_class=DropoutModel, accumulate_grad_batches=3)
+    for batch in (4, 5, 25, 40):
+        resumed = run(tmp_path, ckpt_path=str(tmp_path / f"b{batch}.ckpt"), model_class=DropoutModel,
+                      accumulate_grad_batches=3)
+        assert_same_run(full, resumed, steps_before=(batch + 1) // 3)
+
+    class FailingDropout(FailAt, DropoutModel):
+        fail_at = 7
+
+    with pytest.raises(RuntimeError, match="injected failure"):
+        run(tmp_path, OnExceptionCheckpoint(str(tmp_path), filename="failed"), model_class=FailingDropout,
+            accumulate_grad_batches=3)
+    resumed = run(tmp_path, ckpt_path=str(tmp_path / "failed.ckpt"), model_class=DropoutModel,
+                  accumulate_grad_batches=3)
+    assert_same_run(full, resumed, steps_before=2)
 
 
 class StopAt(Callback):

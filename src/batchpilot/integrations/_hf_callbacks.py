@@ -1,8 +1,9 @@
 """The Trainer callbacks of the Hugging Face integration.
 
 - :class:`BatchpilotCallback`: batchpilot's part of each step, at the right moment of Trainer's loop:
-  LR coupling around the scheduler, counting the step, the decision (rank 0, broadcast), the stop after
-  ``num_train_epochs`` passes, and stopping the dataloader workers at the end.
+  LR coupling around the scheduler, counting the step, the decision (rank 0, broadcast; a failing controller
+  saves the finished step first), the stop after ``num_train_epochs`` passes, and stopping the dataloader
+  workers at the end.
 - :class:`SampleProgressCallback`: the training progress bar counted in samples.
 """
 
@@ -54,7 +55,11 @@ class BatchpilotCallback(TrainerCallback):
         stats = {} if run.stats is None else run.stats.end_step(run.driver.step, loss, run.max_micro_batch_size)
         if trainer._bp_grad_norm is not None:
             stats["grad/norm"] = trainer._bp_grad_norm
-        run.decide(stats)
+        try:
+            run.decide(stats)
+        except Exception as error:  # every rank gets here (the others learn of rank 0's failure)
+            trainer._bp_keep_finished_step(error)
+            raise
         if trainer._bp_finished(run) and not control.should_training_stop:
             # num_train_epochs reached (all samples, or all but a tail drop_last drops): stop as Trainer does
             # at max_steps, with the final save/eval of a steps strategy.

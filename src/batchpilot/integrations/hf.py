@@ -68,6 +68,7 @@ from transformers.optimization import get_scheduler
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import (
     PREFIX_CHECKPOINT_DIR,
+    SaveStrategy,
     get_last_checkpoint,
     seed_worker,
 )
@@ -573,6 +574,26 @@ class AdaptiveBatchSizeTrainer(Trainer):
             seen = run.samples_seen - self._bp_seen_at_start
             logs["train_samples_per_second"] = round(seen / logs["train_runtime"], 3)
         super().log(logs, *args, **kwargs)
+
+    def _bp_keep_finished_step(self, error: Exception) -> None:
+        """The controller failed after a finished step (on every rank): unless ``save_strategy="no"``, save that
+        step as a regular checkpoint before the error stops the run, so nothing trained is lost. The checkpoint
+        continues at the current size; a run resumed from it asks the controller again when next due."""
+        if self.args.save_strategy == SaveStrategy.NO:
+            return
+        try:
+            self._save_checkpoint(self.model_wrapped, trial=None)
+        except Exception as save_error:  # the controller's error is the one to report
+            logger.error("the batch size controller failed at step %d and saving that step failed too: %s",
+                         self.state.global_step, save_error)
+            return
+        if self.is_world_process_zero():
+            folder = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            message = (f"batchpilot saved the finished step {self.state.global_step} to {folder} before stopping: fix "
+                       "the controller and resume from it (train(resume_from_checkpoint=...)); nothing trained is lost.")
+            logger.error("%s", message)
+            if hasattr(error, "add_note"):  # Python >= 3.11: shown with the traceback
+                error.add_note(message)
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         # Our state goes in first: a folder with trainer_state.json always has batchpilot_state.json too.

@@ -22,7 +22,8 @@ upper bound of the epoch's batches, so Lightning does not read a batch ahead; th
 epoch's real last batch). The loader has ``state_dict``/``load_state_dict``, so a mid-epoch checkpoint
 resumes with the same remaining samples and sizes; the controller is saved as the callback's state. A
 checkpoint saved inside a step resumes from that step's first micro-batch, and one saved at the end of an
-epoch that Lightning cut short (``max_steps``, a stop) resumes inside that epoch.
+epoch that Lightning cut short (``max_steps``, a stop) resumes inside that epoch. Checkpoints also carry every
+rank's generator states, which Lightning does not save, so dropout draws resume exactly too.
 """
 
 from __future__ import annotations
@@ -45,12 +46,14 @@ from ..clipping import grad_norm
 from ..controllers.base import needs_gradient_stats
 from ..data.loader import AdaptiveDataLoader, MicroBatch
 from ..measure import read_scalars
+from ..rng import gather_rng_states, restore_rng_states, set_torch_rng, torch_rng
 from ._driver import SizeDriver
 from ._step_stats import StepStats, check_measurable
 
 __all__ = ["AdaptiveBatchSize", "AdaptiveLoader"]
 
 _COUNTERS = ("ready", "started", "processed", "completed")  # of a Lightning progress tracker
+_RNG_KEY = "batchpilot_rng"  # the checkpoint's entry for every rank's generator states
 
 # What a training_step reads from the callback runs outside torch.compile: Lightning compiles training_step
 # when given a compiled LightningModule, and dynamo would specialise on (or fail to trace) the sizes and
@@ -218,6 +221,10 @@ class AdaptiveBatchSize(Callback):
         # flight; None between steps. A checkpoint saved inside a step goes back to them.
         self._step_counters: dict[str, int] | None = None
         self._raw_loss: torch.Tensor | None = None  # the current micro-batch's mean loss, recorded by weight()
+        # torch's RNG at the start of the step in flight (a checkpoint saved inside the step keeps that), and
+        # the generator states of a loaded checkpoint, restored when the resumed fit's first step starts.
+        self._step_rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._loaded_rng: list[dict[str, Any]] | None = None
 
     # ------------------------------------------------------------------ the loader
     def dataloader(
@@ -340,6 +347,7 @@ class AdaptiveBatchSize(Callback):
         self._trainer = trainer
         if stage == TrainerFn.FITTING:
             self._fit += 1
+            self._loaded_rng = None  # set again by on_load_checkpoint when this fit resumes one
 
     def _fitting(self) -> bool:
         """Whether a ``trainer.fit`` with this callback is running (set up and not yet ended)."""
@@ -459,6 +467,10 @@ class AdaptiveBatchSize(Callback):
                 micro.offset + micro.global_size >= self._loader.loader.sampler.num_samples:
             self._mark_last_batch(trainer)  # this step completes the epoch: Lightning's own "last batch"
         if micro is not None and micro.micro_index == 0:
+            if self._loaded_rng is not None:  # the first step of a resumed fit draws as the saved run would have
+                restore_rng_states(self._loaded_rng, trainer.global_rank, trainer.world_size, pl_module.device)
+                self._loaded_rng = None
+            self._step_rng = torch_rng(pl_module.device)
             progress = trainer.fit_loop.epoch_loop.batch_progress  # "ready" counts this micro-batch already
             self._step_counters = {"total": progress.total.ready - 1, "current": progress.current.ready - 1,
                                    "optimizer_steps": trainer.global_step}
@@ -514,13 +526,14 @@ class AdaptiveBatchSize(Callback):
         self._inflight = 0
         stats = None if self.stats is None else self.stats.end_step(self.driver.step, step_loss)
         assert self._loader is not None  # the micro-batch came from it
+        # The step is counted: a checkpoint from here on is at a step boundary, with the position past it; also
+        # one that ModelCheckpoint(save_on_exception=True) saves when the controller below fails.
+        self._step_counters = self._loader._step_start = None
         loader = self._loader.loader
         epoch, offset, _ = loader.position()
         new = self.driver.decide(loader.batch_size, epoch=epoch, coverage=offset / loader.sampler.num_samples,
                                  stats=stats)
         loader.set_batch_size(new)
-        # The step is counted: a checkpoint from here on is at a step boundary, with the position past it.
-        self._step_counters = self._loader._step_start = None
         if self.log_progress:
             # The progress bar's total is len(loader), an upper bound: train_coverage is the real progress.
             shown = {"batch_size": float(micro.global_size), "train_coverage": offset / loader.sampler.num_samples}
@@ -578,6 +591,11 @@ class AdaptiveBatchSize(Callback):
         if self._loader_state is not None and self._loader is not None:
             self._loader.load_state_dict(self._loader_state)
 
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        """Keep the checkpoint's generator states for the resumed fit's first step (absent in checkpoints of
+        batchpilot versions before they were saved: the generators are left as they are)."""
+        self._loaded_rng = checkpoint.get(_RNG_KEY)
+
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         """Make the checkpoint's loop counters say where its data position, weights and optimizer are.
 
@@ -586,7 +604,16 @@ class AdaptiveBatchSize(Callback):
         in line with ``accumulate_grad_batches``. At the end of an epoch that Lightning cut short
         (``max_steps``, ``should_stop``) or after such a fit, the epoch is recorded as unfinished: the resumed
         fit continues it, where Lightning would start the next epoch while the data is inside this one.
+
+        The checkpoint also gets every rank's generator states (torch's, numpy's, Python's; a collective, as
+        Lightning's save is), torch's as of the step's start when the save falls inside a step. Lightning saves
+        none: without them a resumed fit draws other dropout masks than the uninterrupted one.
         """
+        current = torch_rng(pl_module.device)
+        if self._step_counters is not None and self._step_rng is not None:
+            set_torch_rng(self._step_rng, pl_module.device)
+        checkpoint[_RNG_KEY] = gather_rng_states(trainer.world_size, pl_module.device)
+        set_torch_rng(current, pl_module.device)
         loop = checkpoint.get("loops", {}).get("fit_loop")
         if loop is None:
             return
