@@ -34,11 +34,12 @@ def sum_of_squares(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...], lazy:
 def _norms(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     """Each tensor's L2 norm; those of float16/bfloat16 tensors in float32 (a float16 norm overflows to inf
     above 65504 although every element is finite, and a bfloat16 one keeps ~3 digits)."""
-    low = [i for i, t in enumerate(tensors) if t.dtype in (torch.float16, torch.bfloat16)]
-    if not low:
+    is_low = [t.dtype in (torch.float16, torch.bfloat16) for t in tensors]
+    if not any(is_low):
         return list(torch._foreach_norm(tensors))
+    low = [i for i, flag in enumerate(is_low) if flag]
+    rest = [i for i, flag in enumerate(is_low) if not flag]
     norms: list[Any] = [None] * len(tensors)
-    rest = [i for i in range(len(tensors)) if i not in set(low)]
     if rest:
         for i, n in zip(rest, torch._foreach_norm([tensors[i] for i in rest])):
             norms[i] = n
