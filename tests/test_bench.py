@@ -110,6 +110,32 @@ def test_bench_device_is_recorded_and_an_unusable_one_is_refused(tmp_path, capsy
     assert resumed["runs"] == results["runs"]
 
 
+def test_bench_target_window_is_recorded_resumed_and_validated(tmp_path, capsys):
+    from batchpilot.bench import run_benchmark
+
+    bench = ["bench", "--workload", "synthetic", "--policies", "static:64", "--seeds", "0", "--budget-s", "20",
+             "--calibrate-steps", "1", "--no-progress", "--out", str(tmp_path)]
+    assert main([*bench, "--target-window", "3"]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["config"]["target_window"] == 3
+    run = results["runs"][0]
+    grid = run["curve"][: run["curve"].index(next(p for p in run["curve"] if p["step"] == run["steps_to_target"])) + 1]
+    assert len(grid) >= 3 and sum(p["accuracy"] for p in grid[-3:]) / 3 >= results["target_accuracy"]
+    assert "the mean of the last 3 evaluations reaches it" in (tmp_path / "report.md").read_text()
+    with pytest.raises(SystemExit) as exc:  # another window is another measurement: no resume across it
+        main([*bench, "--resume"])
+    assert exc.value.code == 2 and "target_window: 3 there, 1 now" in capsys.readouterr().err
+    # A results.json from before the window was recorded resumes as window 1.
+    assert main(bench) == 0
+    old = json.loads((tmp_path / "results.json").read_text())
+    del old["config"]["target_window"]
+    (tmp_path / "results.json").write_text(json.dumps(old))
+    assert main([*bench, "--resume"]) == 0
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match=f"target_window must be a positive int .*got {bad!r}"):
+            run_benchmark("synthetic", "static:64", [0], out_dir=tmp_path / "x", progress=False, target_window=bad)
+
+
 def test_bench_cli_synthetic_end_to_end(tmp_path, capsys):
     out = tmp_path / "bench"
     code = main(["bench", "--workload", "synthetic", "--policies", "static:32,ramp:16-128", "--seeds", "0",
@@ -260,6 +286,7 @@ def test_policy_list_errors():
     (["bench", "--workload", "synthetic", "--seeds", str(2**64)], "is not a whole number in [0, 2**63)"),
     (["bench", "--workload", "synthetic", "--target-accuracy", "1.5"], "--target-accuracy must be in (0, 1]"),
     (["bench", "--workload", "synthetic", "--budget-s", "0"], "--budget-s must be a positive"),
+    (["bench", "--workload", "synthetic", "--target-window", "0"], "--target-window must be >= 1 evaluations, got 0"),
 ])
 def test_cli_bad_input_exits_2_with_a_message(argv, fragment, capsys, tmp_path):
     with pytest.raises(SystemExit) as info:

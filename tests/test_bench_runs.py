@@ -240,7 +240,7 @@ def test_an_evaluation_made_only_because_a_run_stopped_never_reaches_the_target(
     assert run.reached is not None and run.reached["step"] == 5
 
 
-def _always_right_run(target=0.5):
+def _always_right_run(target=0.5, target_window=1):
     from torch.utils.data import TensorDataset
 
     from batchpilot.bench.train import _Run
@@ -251,7 +251,7 @@ def _always_right_run(target=0.5):
         model.weight.zero_()
         model.bias.copy_(torch.tensor([1.0, 0.0]))  # always class 0: accuracy 1.0
     return _Run(model, test, 100, target=target, budget_s=1.0, eval_every=0.25, on_eval=lambda p, r: None,
-                calibration=None, noise_every=None)
+                calibration=None, noise_every=None, target_window=target_window)
 
 
 class _Pilot:
@@ -282,3 +282,23 @@ def test_results_json_is_standard_json(tmp_path):
     text = (tmp_path / "r.json").read_text()
     assert "Infinity" not in text and "NaN" not in text
     assert json.loads(text) == {"targets": {"b": {"value": None}}, "x": [1.0, None]}
+
+
+def test_target_window_counts_the_mean_of_the_last_evaluations_on_the_grid():
+    # A fluctuating curve: one lucky evaluation reaches the target with a window of 1, but with a window
+    # of 3 only the first grid point whose last three accuracies average at or above it does. Off-grid
+    # evaluations (a run stopped between grid points) neither reach it nor enter the window.
+    runs = {1: _always_right_run(target=0.9), 3: _always_right_run(target=0.9, target_window=3)}
+    model = runs[3].model = runs[1].model
+    accuracies = [0.0, 1.0, 0.0, 1.0, 1.0, 1.0]  # evaluations 0..5
+    for i, acc in enumerate(accuracies):
+        with torch.no_grad():  # class 0 everywhere (accuracy 1) or class 1 (accuracy 0)
+            model.bias.copy_(torch.tensor([1.0, 0.0] if acc else [0.0, 1.0]))
+        for r in runs.values():
+            r.evaluate(float(i), i, 10 * i, 10)
+        if i == 4:
+            for r in runs.values():
+                r.evaluate(4.5, 45, 45, 10, final=True)  # off the grid: ignored by the window
+    assert runs[1].reached["step"] == 1
+    assert runs[3].reached["step"] == 5  # windows: [0,1,0], [1,0,1], [0,1,1], then [1,1,1]
+    assert runs[3]._window == [1.0, 1.0, 1.0]

@@ -1,7 +1,7 @@
 """The ``batchpilot`` command.
 
     batchpilot bench [--workload mnist1d|digits|seqsum|synthetic|cifar10|cifar100|all] [--policies default] [--seeds 0,1,2,3,4]
-                     [--target-accuracy A] [--budget-s S] [--eval-every E] [--out DIR] [--resume] [--quick]
+                     [--target-accuracy A] [--budget-s S] [--eval-every E] [--target-window W] [--out DIR] [--resume] [--quick]
                      [--list]
     batchpilot report LOG.jsonl|results.json --out DIR [--x samples|time]
 
@@ -59,6 +59,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="most training seconds per run. Default: the workload's (see --list; its quick "
                        "budget with --quick).")
     bench.add_argument("--eval-every", type=float, default=0.25, help="epochs between evaluations. Default: 0.25.")
+    bench.add_argument("--target-window", type=int, default=1,
+                       help="the target is reached when the mean accuracy of the last W evaluations reaches it "
+                       "(1: the first evaluation that does). Use 4-8 with a smaller --eval-every when the accuracy "
+                       "fluctuates around the target. Default: 1.")
     bench.add_argument("--tune-factors", default="0.5,1,2",
                        help="LR grid of tuned-static:N, as multiples of the rule LR. Default: 0.5,1,2.")
     bench.add_argument("--calibrate-steps", type=int, default=4,
@@ -150,6 +154,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--budget-s must be a positive number of seconds, got {args.budget_s}.")
     if not 0 < args.eval_every < float("inf"):
         parser.error(f"--eval-every must be a positive number of epochs, got {args.eval_every}.")
+    if args.target_window < 1:
+        parser.error(f"--target-window must be >= 1 evaluations, got {args.target_window}.")
     if args.calibrate_steps < 1:
         parser.error(f"--calibrate-steps must be >= 1, got {args.calibrate_steps}.")
     if args.threads is not None:
@@ -180,7 +186,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         try:
             results = run_benchmark(workload, policies, seeds, target, budget, folder, args.eval_every, args.progress,
                                     calibrate_steps=args.calibrate_steps, tune_factors=factors, resume=args.resume,
-                                    device=args.device)
+                                    device=args.device, target_window=args.target_window)
         except (ImportError, FileNotFoundError) as exc:  # a missing optional extra, or a real data set not there
             parser.exit(2, f"batchpilot bench: error: {exc}\n")
         except ValueError as exc:  # --resume from a damaged or different results.json, or an unusable --device

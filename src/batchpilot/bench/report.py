@@ -144,6 +144,12 @@ def _stopped(run: dict[str, Any]) -> str:
     return f" ({reason})" if reason in ("diverged", "stalled") else ""
 
 
+def _window_text(window: Any) -> str:
+    if window == 1:
+        return "; the target counts at the first evaluation at or above it"
+    return f"; the target counts at the first evaluation where the mean of the last {window} evaluations reaches it"
+
+
 def _markdown(results: dict[str, Any], plots: dict[str, Path]) -> str:
     cfg = results.get("config", {})
     target = results.get("target_accuracy")
@@ -152,8 +158,8 @@ def _markdown(results: dict[str, Any], plots: dict[str, Path]) -> str:
         "",
         f"Target test accuracy **{target}**, seeds {cfg.get('seeds', '?')}, budget {cfg.get('budget_s', '?')} s of "
         f"training per run. Time is training wall time with evaluation excluded (evaluated every "
-        f"{cfg.get('eval_every_epochs', '?')} epochs of samples, so times are quantised to evaluation points); "
-        "the cost-model time sums calibrated step times over the steps, so it does not move with the machine's "
+        f"{cfg.get('eval_every_epochs', '?')} epochs of samples, so times are quantised to evaluation points"
+        f"{_window_text(cfg.get('target_window', 1))}); the cost-model time sums calibrated step times over the steps, so it does not move with the machine's "
         "load. Medians count a run that missed the target as infinitely slow (— when half or more missed it). "
         f"LR rule: {cfg.get('lr_rule', '?')} from lr {cfg.get('base_lr', '?')} at batch {cfg.get('base_batch_size', '?')}.",
         "",

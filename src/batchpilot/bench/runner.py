@@ -10,7 +10,9 @@ Measurement rules:
 
 * The clock counts *training* wall time only. Every ``eval_every`` epochs of samples (and once before the
   first step) the test accuracy is measured with the clock paused; a run stops at the first evaluation
-  that reaches the target (``stop_reason`` ``"target"``), when its training time exceeds ``budget_s``
+  that reaches the target (``stop_reason`` ``"target"``; with ``target_window`` W > 1, the first at which
+  the mean of the last W evaluations does, so that one lucky evaluation of a fluctuating curve does not
+  count), when its training time exceeds ``budget_s``
   (``"budget"``), when it diverges (``"diverged"``: a non-finite loss, or 5 steps skipped for non-finite
   gradients), or when it is stuck (``"stalled"``: after 5 epochs its best accuracy is
   still within 0.1 of the accuracy at step 0, i.e. it never learned; a learning rate too large
@@ -56,9 +58,11 @@ __all__ = ["Policy", "evaluate", "finish_results", "parse_policies", "parse_poli
 DEFAULT_POLICIES = "default"
 _POLICY_HELP = POLICY_HELP  # the foundation's name, kept for callers
 # What must match for a resumed bench to continue an earlier one (runs of both are compared side by side).
-RESUME_KEYS = ("policies", "seeds", "budget_s", "eval_every_epochs", "lr_rule", "base_batch_size", "base_lr",
-               "tune_factors", "smith_every_epochs", "min_batch_size", "max_batch_size", "train_samples",
+RESUME_KEYS = ("policies", "seeds", "budget_s", "eval_every_epochs", "target_window", "lr_rule", "base_batch_size",
+               "base_lr", "tune_factors", "smith_every_epochs", "min_batch_size", "max_batch_size", "train_samples",
                "test_samples", "torch", "torch_threads", "device")
+# What a results.json written before a key existed meant by it.
+_RESUME_DEFAULTS = {"device": "cpu", "target_window": 1}
 
 
 def _previous(path: Path) -> dict[str, Any] | None:
@@ -80,7 +84,7 @@ def _previous(path: Path) -> dict[str, Any] | None:
 def _check_resumable(previous: dict[str, Any], now: dict[str, Any], path: Path) -> None:
     """Raise unless ``previous`` (an earlier results.json) was run with the settings of ``now``."""
     old = {"workload": previous.get("workload"), "target_accuracy": previous.get("target_accuracy"),
-           **{k: previous["config"].get(k, "cpu" if k == "device" else None) for k in RESUME_KEYS}}
+           **{k: previous["config"].get(k, _RESUME_DEFAULTS.get(k)) for k in RESUME_KEYS}}
     new = {"workload": now["workload"], "target_accuracy": now["target_accuracy"],
            **{k: now["config"].get(k) for k in RESUME_KEYS}}
     differ = [f"{k}: {old[k]!r} there, {new[k]!r} now" for k in old if old[k] != new[k]]
@@ -154,6 +158,7 @@ def run_benchmark(
     tune_factors: Sequence[float] = TUNE_FACTORS,
     resume: bool = False,
     device: str | torch.device = "cpu",
+    target_window: int = 1,
 ) -> dict[str, Any]:
     """Train ``workload`` under every policy for every seed and report the time to ``target_accuracy``.
 
@@ -175,6 +180,10 @@ def run_benchmark(
             Without a ``results.json`` there it starts afresh.
         device: Where to train (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...): the data sets are moved there
             once and every model (calibration and runs) follows them. Evaluation time stays excluded.
+        target_window: The target counts as reached at the first evaluation where the mean accuracy of the
+            last ``target_window`` evaluations is at or above it (1: the first evaluation at or above it).
+            Use 4-8 with a finer ``eval_every`` when the accuracy fluctuates around the target at a
+            constant LR, so that one lucky evaluation does not decide (docs/benchmark.md#how-robust-is-time-to-target).
 
     Returns:
         The results dict, also written to ``out_dir/results.json`` (schema in docs/benchmark.md):
@@ -183,7 +192,7 @@ def run_benchmark(
         ``finder``, ``members``, ``config``.
 
     Raises:
-        ValueError: unknown workload, malformed policy, no seeds, or a bad target/budget/eval_every; with
+        ValueError: unknown workload, malformed policy, no seeds, or a bad target/budget/eval_every/target_window; with
             ``resume``, a ``results.json`` that is damaged or was run with other settings.
     """
     wl = get_workload(workload)
@@ -199,6 +208,9 @@ def run_benchmark(
         raise ValueError(f"budget_s must be a positive number of seconds, got {budget_s!r}.")
     if not (isinstance(eval_every, (int, float)) and math.isfinite(eval_every) and eval_every > 0):
         raise ValueError(f"eval_every must be a positive number of epochs, got {eval_every!r}.")
+    if isinstance(target_window, bool) or not isinstance(target_window, int) or target_window < 1:
+        raise ValueError(f"target_window must be a positive int (evaluations averaged), got {target_window!r}; "
+                         "1 counts the first evaluation at or above the target.")
     dev = resolve_device(device)
     out = Path(out_dir)
     show = Progress(progress)
@@ -249,6 +261,7 @@ def run_benchmark(
             "seeds": seeds,
             "budget_s": budget_s,
             "eval_every_epochs": eval_every,
+            "target_window": target_window,
             "lr_rule": wl.lr_rule,
             "base_batch_size": wl.base_batch_size,
             "base_lr": wl.base_lr,
@@ -287,7 +300,7 @@ def run_benchmark(
             label = f"[{index}/{total}] {spec.name} seed {seed}"
             show.start(label, budget_s)
             run = train_one(wl, spec, seed, train, test, target=target, budget_s=budget_s, eval_every=eval_every,
-                         on_eval=show.on_eval, calibration=cal)
+                         on_eval=show.on_eval, calibration=cal, target_window=target_window)
             results["runs"].append(run)
             finish_results(results)
             _write_json(out / "results.json", results)

@@ -44,9 +44,11 @@ class _Run:
     """The clock, the cost model, the evaluations and the stopping rule of one run (a step callback)."""
 
     def __init__(self, model, test, num_samples, target, budget_s, eval_every, on_eval,
-                 calibration: Calibration | None, noise_every: int | None) -> None:
+                 calibration: Calibration | None, noise_every: int | None, target_window: int = 1) -> None:
         self.model, self.test, self.num_samples = model, test, num_samples
         self.target, self.budget_s = target, budget_s
+        self.target_window = target_window
+        self._window: list[float] = []  # the last target_window accuracies on the evaluation grid
         self.eval_samples = max(1, round(eval_every * num_samples))
         self.next_eval = self.eval_samples
         self.on_eval = on_eval
@@ -77,7 +79,10 @@ class _Run:
 
     def evaluate(self, t: float, step: int, samples: int, batch_size: int, final: bool = False) -> float:
         """Evaluate and record a curve point; one on the evaluation grid may reach the target, the ``final``
-        one of a run that stopped between grid points (at the budget, say) only gives the final accuracy."""
+        one of a run that stopped between grid points (at the budget, say) only gives the final accuracy.
+
+        The target is reached at the first grid point where the mean accuracy of the last ``target_window``
+        grid points (this one included) is at or above it; with 1, the first point at or above it."""
         t0 = time.perf_counter()
         acc = evaluate(self.model, self.test)
         self.eval_s += time.perf_counter() - t0
@@ -85,7 +90,10 @@ class _Run:
                  "epochs": samples / self.num_samples, "accuracy": acc, "batch_size": batch_size,
                  "noise_scale": self.noise_scale}
         self.curve.append(point)
-        if self.reached is None and acc >= self.target and not final:
+        if not final:
+            self._window = (self._window + [acc])[-self.target_window:]
+        if self.reached is None and not final and len(self._window) == self.target_window and \
+                sum(self._window) / self.target_window >= self.target:
             self.reached = point
         elif point["epochs"] >= STALL_EPOCHS and max(p["accuracy"] for p in self.curve) < \
                 self.curve[0]["accuracy"] + STALL_GAIN:
@@ -131,7 +139,8 @@ class _Run:
 
 def train_one(workload: Workload, spec: RunSpec, seed: int, train: TensorDataset, test: TensorDataset, *,
            target: float, budget_s: float, eval_every: float, on_eval: Callable[[dict[str, Any], _Run], None],
-           calibration: Calibration | None = None, max_steps: int | None = None) -> dict[str, Any]:
+           calibration: Calibration | None = None, max_steps: int | None = None,
+           target_window: int = 1) -> dict[str, Any]:
     from ..engine import Pilot
 
     model = workload.build_model(seed).to(train.tensors[0].device)  # the model goes where the data is
@@ -139,7 +148,8 @@ def train_one(workload: Workload, spec: RunSpec, seed: int, train: TensorDataset
     pilot = Pilot(model, optimizer, train, batch_size=spec.batch_size, controller=spec.make_controller(len(train)),
                   lr_rule=spec.lr_rule, base_batch_size=spec.base_batch_size, seed=seed, progress=False,
                   noise_every=spec.noise_every)
-    run = _Run(model, test, len(train), target, budget_s, eval_every, on_eval, calibration, spec.noise_every)
+    run = _Run(model, test, len(train), target, budget_s, eval_every, on_eval, calibration, spec.noise_every,
+               target_window)
     pilot.add_callback(run)
     loss_fn = workload.loss_fn
     model.train()
