@@ -1,8 +1,8 @@
 """How robust is a bench verdict to the way "time to target" is read? (a benchmark, not a test)
 
 ``batchpilot bench`` stops a run at the first evaluation (every ``--eval-every`` epochs) at or above the target.
-At a constant LR the test accuracy of a small model fluctuates from one evaluation to the next, by 2-3 points on
-``seqsum`` and ``digits``; a target inside that band is then first "reached" by a lucky evaluation, and the
+At a constant LR the test accuracy of a small model fluctuates from one evaluation to the next (by 2-3 points on
+``seqsum``, 1-3 on ``digits``); a target inside that band is then first "reached" by a lucky evaluation, and the
 time to target depends on how often one looks. This benchmark trains the bench's own run specs (the same
 policies, seeds, LR grid and cost model) *past* the target on a fine evaluation grid, and then reads every run
 again under several criteria:
@@ -265,7 +265,7 @@ def reread(path: Path, strides: list[int], windows: list[int], out: Path) -> Non
         result.setdefault("policies", list(result["members"]))
         result.setdefault("seeds", sorted({r["seed"] for r in result["runs"]}))
         result.setdefault("train_samples", round(point["samples_seen"] / point["epochs"]))
-    except (OSError, ValueError, KeyError, StopIteration, TypeError) as exc:
+    except (OSError, ValueError, KeyError, IndexError, StopIteration, TypeError) as exc:
         raise SystemExit(f"--reread {str(path)!r} is not a criteria.json written by this benchmark ({exc}).") from None
     write(out, result, strides, windows, eval_every)
 

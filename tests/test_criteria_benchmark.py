@@ -79,7 +79,8 @@ def test_bad_arguments_and_files_are_refused(crit, tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="--epochs is required"):
         crit.main()
     bad = tmp_path / "bad.json"
-    bad.write_text("{}")
-    monkeypatch.setattr(sys, "argv", ["criteria.py", "--reread", str(bad)])
-    with pytest.raises(SystemExit, match="not a criteria.json"):
-        crit.main()
+    for text in ("{}", '{"settings": {"eval_every": 0.25}, "runs": []}', "not json"):
+        bad.write_text(text)
+        monkeypatch.setattr(sys, "argv", ["criteria.py", "--reread", str(bad)])
+        with pytest.raises(SystemExit, match="not a criteria.json"):
+            crit.main()
