@@ -45,7 +45,7 @@ from batchpilot.bench.policies import parse_policies
 from batchpilot.bench.runner import _write_json
 from batchpilot.bench.specs import Plan, expand
 from batchpilot.bench.summary import finish_results
-from batchpilot.bench.train import train_one
+from batchpilot.bench.train import reaches_target, train_one
 from batchpilot.bench.workloads import get_workload
 
 NEVER = 2.0  # a target accuracy no run reaches: runs stop at --epochs or at the budget
@@ -67,10 +67,11 @@ def on_grid(curve: list[dict[str, Any]], grid_samples: float) -> list[dict[str, 
 
 def reach(curve: list[dict[str, Any]], target: float, grid_samples: float, window: int) -> dict[str, Any] | None:
     """The first grid point where the mean accuracy of the last ``window`` grid points is >= ``target``."""
-    points = on_grid(curve, grid_samples)
-    for i in range(window - 1, len(points)):
-        if sum(p["accuracy"] for p in points[i - window + 1 : i + 1]) / window >= target:
-            return points[i]
+    last: list[float] = []
+    for point in on_grid(curve, grid_samples):
+        last = (last + [point["accuracy"]])[-window:]
+        if reaches_target(last, window, target):
+            return point
     return None
 
 

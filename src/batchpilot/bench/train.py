@@ -20,7 +20,7 @@ from .calibrate import Calibration
 from .specs import RunSpec
 from .workloads import Workload
 
-__all__ = ["MAX_SKIPPED_STEPS", "STALL_EPOCHS", "STALL_GAIN", "evaluate", "train_one"]
+__all__ = ["MAX_SKIPPED_STEPS", "STALL_EPOCHS", "STALL_GAIN", "evaluate", "reaches_target", "train_one"]
 
 MAX_SKIPPED_STEPS = 5
 STALL_EPOCHS = 5.0
@@ -38,6 +38,12 @@ def evaluate(model: torch.nn.Module, test: TensorDataset, chunk: int = 4096) -> 
             correct += int((model(x[i : i + chunk]).argmax(dim=1) == y[i : i + chunk]).sum())
     model.train(was_training)
     return correct / len(y)
+
+
+def reaches_target(last: list[float], window: int, target: float) -> bool:
+    """The bench's target rule: the mean of the last ``window`` accuracies on the evaluation grid (``last``,
+    in order) is at or above ``target``; fewer than ``window`` evaluations never reach it."""
+    return len(last) >= window and sum(last[-window:]) / window >= target
 
 
 class _Run:
@@ -92,8 +98,7 @@ class _Run:
         self.curve.append(point)
         if not final:
             self._window = (self._window + [acc])[-self.target_window:]
-        if self.reached is None and not final and len(self._window) == self.target_window and \
-                sum(self._window) / self.target_window >= self.target:
+        if self.reached is None and not final and reaches_target(self._window, self.target_window, self.target):
             self.reached = point
         elif point["epochs"] >= STALL_EPOCHS and max(p["accuracy"] for p in self.curve) < \
                 self.curve[0]["accuracy"] + STALL_GAIN:
