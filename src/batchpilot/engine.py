@@ -122,7 +122,7 @@ class Pilot:
             communication hook); on one process a step with one micro-batch is split in two. ``None``:
             every ``DEFAULT_NOISE_EVERY`` (16) steps when the controller reads gradient statistics (its
             ``required_stats``) or ``lr_rule="adascale"``, else never. Measured cost on a small CNN on CPU
-            (``benchmarks/overhead.py``): +3-5.5% per step at 16, +9% at 8, +18% at 4.
+            (``benchmarks/overhead.py``): about +4.5-5% per step at 16 (batch 32-128), +9% at 8, +18% at 4.
         system_every: Sample CPU/memory/GPU load every N steps (needs ``batchpilot[system]``; ``None``: off).
             The loss trend and the throughput model (time per micro-batch ``a + b*m``) are always on.
         oom_recovery: Recover from running out of memory: each micro-batch's forward and backward must run

@@ -13,9 +13,10 @@ without DDP all of them are small batches. With several ranks the small batches 
 a DDP model that already has a communication hook) a step with a single micro-batch is split in two on
 measured steps (``min_accumulation``), which keeps the estimate unbiased.
 
-How often: the split costs a second forward/backward pass at half size on a measured step (about +50% of
-that step for a small CNN on CPU), so the default period is 16 steps (+3-5.5% per step on that CNN, measured
-by ``benchmarks/overhead.py``). The estimator's EMA decay per measurement is ``0.99 ** (every / 4)``:
+How often: the split costs a second forward/backward pass at half size on a measured step (+70-80% of
+that step for a small CNN on CPU at batch 32-128, nothing at 512), so the default period is 16 steps (about
++4.5-5% per step on that CNN at those batches; ``benchmarks/overhead.py`` measured +3% to +10% on different
+days, see docs/statistics.md). The estimator's EMA decay per measurement is ``0.99 ** (every / 4)``:
 whatever the period, old measurements fade with a time constant of about 400 *steps*, so the estimate
 follows a noise scale that grows during training equally fast.
 """
