@@ -42,7 +42,7 @@ import torch
 
 from batchpilot.bench.calibrate import Calibration, calibrate, size_grid
 from batchpilot.bench.policies import parse_policies
-from batchpilot.bench.runner import _write_json
+from batchpilot.bench.runner import write_json
 from batchpilot.bench.specs import Plan, expand
 from batchpilot.bench.summary import finish_results
 from batchpilot.bench.train import reaches_target, train_one
@@ -252,7 +252,7 @@ def write(out: Path, result: dict[str, Any], strides: list[int], windows: list[i
     for c in criteria:
         print(_row(c))
     out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / "criteria.json", {**result, "criteria": criteria})
+    write_json(out / "criteria.json", {**result, "criteria": criteria})
     path = plot(out, runs, criteria, target)
     print(f"\nwrote {out / 'criteria.json'}" + (f" and {path}" if path else ""))
 

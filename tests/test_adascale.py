@@ -112,6 +112,10 @@ def test_gain_for_uses_b0_and_falls_back_to_one():
     assert ada.gain_for(100) == 1.0  # not measured yet: no scaling above B0
     assert ada.gain_for(100, math.nan, 1.0) == 1.0
     assert ada.gain_for(4) == 0.4  # below B0 the smallest gain possible, S (the linear rule), not 1
+    # The batch size is checked whether or not the statistics are there.
+    for bad, error in [(0, ValueError), (-64, ValueError), (True, TypeError), (64.0, TypeError)]:
+        with pytest.raises(error, match="batch_size must be"):
+            ada.gain_for(bad)
 
 
 def test_unscale_divides_when_something_else_changed_the_lr():

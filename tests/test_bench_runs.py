@@ -276,9 +276,9 @@ def test_a_divergence_between_evaluation_points_does_not_reach_the_target():
 
 
 def test_results_json_is_standard_json(tmp_path):
-    from batchpilot.bench.runner import _write_json
+    from batchpilot.bench.runner import write_json
 
-    _write_json(tmp_path / "r.json", {"targets": {"b": {"value": float("inf")}}, "x": [1.0, float("nan")]})
+    write_json(tmp_path / "r.json", {"targets": {"b": {"value": float("inf")}}, "x": [1.0, float("nan")]})
     text = (tmp_path / "r.json").read_text()
     assert "Infinity" not in text and "NaN" not in text
     assert json.loads(text) == {"targets": {"b": {"value": None}}, "x": [1.0, None]}

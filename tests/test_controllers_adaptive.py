@@ -313,6 +313,18 @@ def test_noise_scale_grows_monotonically_by_default():
     assert sizes == sorted(sizes) and 32 < sizes[-1] <= 4096
 
 
+def test_noise_scale_never_shrinks_at_the_edge_of_the_band():
+    # A target a rounding step below size / band used to miss both the band test and the "below" test.
+    for size in range(2, 3000):
+        ctrl = NoiseScale(min_size=1, smoothing=0.0, min_measurements=0)
+        for noise in (size / 1.2, math.nextafter(size / 1.2, 0.0), size / 1.2 * (1 - 1e-12)):
+            assert ctrl.decide(obs(50, size, ns(noise))) == size, (size, noise, ctrl.reason)
+            ctrl._period = 0  # decide again in the same period
+    ctrl = NoiseScale(min_measurements=0)
+    assert ctrl.decide(obs(50, 34, ns(28.333333333333332))) == 34
+    assert "below, and allow_shrink=False" in ctrl.reason
+
+
 # ============================================================================ Goodput (Pollux)
 
 PERF = {"perf/micro_time_a_s": 0.1, "perf/micro_time_b_s": 0.001}
@@ -496,6 +508,10 @@ def test_load_state_dict_checks_its_input():
         (lambda: VarianceRule(sigma_base=0.0), ValueError, "sigma_base must be > 0, got 0.0. It is a standard"),
         (lambda: VarianceRule(sigma_base=math.inf), ValueError, "sigma_base must be finite"),
         (lambda: VarianceRule(sigma_base="1"), TypeError, "sigma_base must be a real number"),
+        (lambda: VarianceRule(sigma_base=1e200), ValueError, r"sigma_base=1e\+200 squares to inf in floating point"),
+        (lambda: VarianceRule(sigma_base=1e-200), ValueError, r"sigma_base=1e-200 squares to 0.0 in floating point"),
+        (lambda: NoiseScale(max_change=1.0), ValueError, "max_change must be > 1, got 1.0"),
+        (lambda: Goodput(max_change=1.0), ValueError, "max_change must be > 1, got 1.0"),
         (lambda: ThresholdRules(shrink_factor=1.5), ValueError, r"shrink_factor must be < 1, got 1.5. A shrink"),
         (lambda: ThresholdRules(shrink_factor=0), ValueError, "shrink_factor must be > 0"),
         (lambda: ThresholdRules(grow_factor=1.0), ValueError, "grow_factor must be > 1"),

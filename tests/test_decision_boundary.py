@@ -142,7 +142,14 @@ def test_schedule_output_goes_through_the_boundary():
 
 
 def test_validate_decision_refuses_impossible_arguments():
-    with pytest.raises(ValueError, match="min_size=100 is above max_size=50"):
+    with pytest.raises(ValueError, match="min_size=100 is larger than max_size=50: impossible bounds"):
         validate_decision(70, current=64, min_size=100, max_size=50)
+    # A bound is a batch size too: 0, negatives, NaN and fractions would make a "decision" below 1.
+    for bounds, error, match in [({"max_size": 0}, ValueError, "max_size must be >= 1, got 0"),
+                                 ({"max_size": -5}, ValueError, "max_size must be >= 1, got -5"),
+                                 ({"max_size": math.nan}, ValueError, "max_size must be an int >= 1, got NaN"),
+                                 ({"min_size": 2.5}, TypeError, "min_size must be an int >= 1, got 2.5")]:
+        with pytest.raises(error, match=match):
+            validate_decision(64, current=32, **bounds)
     with pytest.raises(ValueError, match="on_invalid must be 'raise' or 'keep'; got 'raises'"):
         validate_decision(0, current=64, on_invalid="raises")

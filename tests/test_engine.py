@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import batchpilot
-from batchpilot.controllers import Constant, InvalidDecisionError, Schedule
+from batchpilot.controllers import Constant, InvalidDecisionError, NoiseScale, Schedule
 
 
 def make_problem(n: int = 96, seed: int = 0):
@@ -381,6 +381,10 @@ def test_constructor_reports_every_problem_at_once():
         assert fragment in message
     with pytest.raises(ValueError, match="0 samples"):
         batchpilot.Pilot(model, opt, TensorDataset(torch.zeros(0, 6)), batch_size=4)
+    # A controller class (the parentheses forgotten) is callable and passes the Protocol check: refused here,
+    # not at the first step.
+    with pytest.raises(ValueError, match=r"got the class NoiseScale; call it: controller=NoiseScale\(...\)"):
+        batchpilot.Pilot(model, opt, ds, batch_size=8, controller=NoiseScale)
     with pytest.raises(ValueError, match="outside"):
         batchpilot.Pilot(model, opt, ds, batch_size=4, min_batch_size=8)
 

@@ -26,7 +26,7 @@ L = pytest.importorskip("lightning")
 from _hf_common import SizeList, StatsSpy, check_noise_by_hand
 from _lightning_ddp import NOISE_SAMPLES, NUM_SAMPLES, SIZES, ManualModel, Model, make_data, make_net
 
-from batchpilot.controllers import LinearIncrease
+from batchpilot.controllers import Constant, LinearIncrease
 from batchpilot.integrations.lightning import AdaptiveBatchSize
 
 REPO = Path(__file__).resolve().parents[1]
@@ -269,6 +269,8 @@ def test_error_messages_name_the_lightning_arguments():
         AdaptiveBatchSize(batch_size=64, max_batch_size=32)
     with pytest.raises(ValueError, match="controller must be a batchpilot controller"):
         AdaptiveBatchSize("linear", batch_size=32)
+    with pytest.raises(ValueError, match=r"controller must be an instance, got the class Constant; call it"):
+        AdaptiveBatchSize(Constant, batch_size=32)
 
 
 @pytest.mark.parametrize("limit, message", [(0.5, "fraction"), (3, "not a multiple of accumulate_grad_batches=2")])

@@ -268,6 +268,12 @@ def test_coupling_protocol_errors():
         LRCoupling(opt, 16, rule="cube")
     with pytest.raises(ValueError, match="base_batch_size must be >= 1"):
         LRCoupling(opt, 0)
+    # A cached factor is no way around the check: 64.0 and True equal the cached keys 64 and 1.
+    coupling.unscale()
+    assert coupling.factor_for(64) == 4.0 and coupling.factor_for(1) == 1 / 16
+    for bad in (64.0, True):
+        with pytest.raises(TypeError, match="batch_size must be an int"):
+            coupling.factor_for(bad)
 
 
 def test_coupling_state_dict_is_json_and_has_factor_and_flag():

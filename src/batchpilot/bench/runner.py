@@ -53,7 +53,8 @@ from .summary import finish_results, summarize
 from .train import evaluate, train_one
 from .workloads import Workload, get_workload
 
-__all__ = ["Policy", "evaluate", "finish_results", "parse_policies", "parse_policy", "run_benchmark", "summarize"]
+__all__ = ["Policy", "evaluate", "finish_results", "parse_policies", "parse_policy", "run_benchmark", "summarize",
+           "write_json"]
 
 DEFAULT_POLICIES = "default"
 _POLICY_HELP = POLICY_HELP  # the foundation's name, kept for callers
@@ -132,7 +133,9 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` to ``path`` atomically (a temporary file, then a rename: a kill never leaves half a
+    file) as standard JSON, with every non-finite float as ``null``; creates the folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json.tmp")
     try:
@@ -303,9 +306,9 @@ def run_benchmark(
                          on_eval=show.on_eval, calibration=cal, target_window=target_window)
             results["runs"].append(run)
             finish_results(results)
-            _write_json(out / "results.json", results)
+            write_json(out / "results.json", results)
             show.finish(run_line(label, run, target))
-    _write_json(out / "results.json", results)  # also when a resumed bench had nothing left to train
+    write_json(out / "results.json", results)  # also when a resumed bench had nothing left to train
     return results
 
 

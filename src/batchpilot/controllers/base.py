@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from .._validation import check_bounds
+
 logger = logging.getLogger("batchpilot")
 
 
@@ -94,12 +96,13 @@ def validate_decision(
 
     Raises:
         InvalidDecisionError: ``value`` is invalid and ``on_invalid == "raise"``.
-        ValueError: ``on_invalid`` is neither ``"raise"`` nor ``"keep"``, or ``min_size > max_size``.
+        ValueError: ``on_invalid`` is neither ``"raise"`` nor ``"keep"``, a bound is not an int >= 1, or
+            ``min_size > max_size``.
+        TypeError: a bound is not an int.
     """
     if on_invalid not in ("raise", "keep"):
         raise ValueError(f"on_invalid must be 'raise' or 'keep'; got {on_invalid!r}.")
-    if min_size is not None and max_size is not None and min_size > max_size:
-        raise ValueError(f"min_size={min_size} is above max_size={max_size}; pass min_size <= max_size.")
+    min_size, max_size = check_bounds(min_size, max_size)
     problem = _problem(value)
     if problem is not None:
         message = (
@@ -147,6 +150,10 @@ def check_controller(value: Any) -> None:
     Raises:
         TypeError: anything else.
     """
+    if isinstance(value, type):  # a class is callable and even passes the Protocol check
+        raise TypeError(
+            f"controller must be an instance, got the class {value.__name__}; call it: controller={value.__name__}(...)."
+        )
     if value is None or isinstance(value, Controller) or callable(value):
         return
     raise TypeError(
@@ -155,7 +162,9 @@ def check_controller(value: Any) -> None:
 
 
 def as_controller(value: Any) -> Controller | None:
-    """A :class:`Controller` for ``value``: a plain callable is wrapped in :class:`~batchpilot.controllers.Schedule`."""
+    """A :class:`Controller` for ``value``: a plain callable is wrapped in :class:`~batchpilot.controllers.Schedule`
+    (``TypeError`` for anything :func:`check_controller` refuses)."""
+    check_controller(value)
     if value is None or isinstance(value, Controller):
         return value
     from .schedules import Schedule

@@ -92,7 +92,7 @@ class Goodput:
         switch_threshold: Relative improvement needed to switch (Pollux: 0.05).
         interval: Steps between decisions.
         base_size: ``B0`` of the efficiency; default the batch size at the first call.
-        max_change: Most a single decision may multiply or divide the size by (``>= 1``; default 2.0, so the
+        max_change: Most a single decision may multiply or divide the size by (``> 1``; default 2.0, so the
             coupled LR changes gradually too); ``None``: jump straight to the best candidate.
         min_measurements: Measured steps the noise-scale estimate must rest on before the first decision
             (default 10); 0: decide from the first.

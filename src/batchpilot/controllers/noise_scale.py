@@ -66,7 +66,7 @@ class NoiseScale:
             training; a noisy dip of the estimate then cannot shrink the batch).
         round_to: ``None`` (nearest integer), ``"pow2"`` (nearest power of two in log space) or an int
             quantum (nearest multiple of it, at least one quantum; at most ``max_size``).
-        max_change: Most a single decision may multiply or divide the size by (``>= 1``; default 2.0, so the
+        max_change: Most a single decision may multiply or divide the size by (``> 1``; default 2.0, so the
             coupled LR changes gradually too); ``None``: no limit.
         min_measurements: Measured steps the noise-scale estimate must rest on before the first decision
             (default 10; early estimates can be orders of magnitude off); 0: decide from the first.
@@ -149,8 +149,9 @@ class NoiseScale:
         target = self.factor * math.exp(self._log_ema)
         band = 1.0 + self.hysteresis
         prefix = f"step {obs.step}: target {fmt(self.factor)} x {fmt(math.exp(self._log_ema))} = {fmt(target)}"
-        if target * band < size and not self.allow_shrink or size / band <= target <= size * band:
-            why = "within the hysteresis band" if target * band >= size else "below, and allow_shrink=False"
+        inside = size / band <= target <= size * band
+        if inside or (target < size and not self.allow_shrink):
+            why = "within the hysteresis band" if inside else "below, and allow_shrink=False"
             self.reason = f"{prefix} {why} of {size}; kept {size}"
             return size
         # The step limit first, then the rounding: the size always lies on the round_to grid. When the nearest

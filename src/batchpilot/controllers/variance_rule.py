@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -90,6 +91,12 @@ class VarianceRule:
             hint=" It is a standard deviation (the rule uses sigma_base**2); pass None to take the first "
             "measured value.",
         )
+        square = None if self.sigma_base is None else self.sigma_base * self.sigma_base  # inf, not OverflowError
+        if square is not None and not 0.0 < square < math.inf:
+            raise ValueError(
+                f"sigma_base={self.sigma_base!r} squares to {square!r} in floating point, which the rule cannot "
+                "use; pass a standard deviation between 1e-150 and 1e150, or None to take the first measured value."
+            )
         self.name = "VarianceRule"
         self.reason = "no decision yet"
         self._b0: int | None = None  # B0 in use, fixed at the first measurement

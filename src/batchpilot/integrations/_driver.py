@@ -33,8 +33,10 @@ def as_controller(value: Any, name: str = "batch_size_scheduler") -> Controller 
     :class:`~batchpilot.controllers.Schedule`, or ``None`` (keep the size).
 
     Raises:
-        TypeError: ``value`` is neither a controller nor callable.
+        TypeError: ``value`` is neither a controller nor callable, or is a class (not an instance).
     """
+    if isinstance(value, type):  # a class is callable and even passes the Protocol check
+        raise TypeError(f"{name} must be an instance, got the class {value.__name__}; call it: {value.__name__}(...).")
     if value is None or isinstance(value, Controller):
         return value
     if callable(value):

@@ -103,7 +103,7 @@ class AdaScaleLR:
         """:func:`adascale_gain` at this ``B0``; while a statistic is ``None`` or NaN, ``min(1, S)`` with
         ``S = B / B0``, the smallest gain possible at that scale (no scaling above ``B0``, the linear rule below)."""
         if trace_cov is None or grad_sq_norm is None or math.isnan(trace_cov) or math.isnan(grad_sq_norm):
-            return min(1.0, batch_size / self.base_batch_size)
+            return min(1.0, check_batch_size(batch_size, "batch_size") / self.base_batch_size)
         return adascale_gain(trace_cov, grad_sq_norm, batch_size, self.base_batch_size)
 
     def scale(self, gain: float) -> float:

@@ -123,7 +123,8 @@ class LRCoupling:
 
     def factor_for(self, batch_size: int) -> float:
         """``lr_factor(self.rule, batch_size, self.base_batch_size, self.knee)`` (cached: it runs every step)."""
-        factor = self._factor_cache.get(batch_size)
+        # Only a plain int hits the cache: 64.0 and True equal the keys 64 and 1, but lr_factor refuses them.
+        factor = self._factor_cache.get(batch_size) if type(batch_size) is int else None
         if factor is None:
             factor = self._factor_cache[batch_size] = lr_factor(self.rule, batch_size, self.base_batch_size, self.knee)
         return factor
