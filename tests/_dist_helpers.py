@@ -122,12 +122,14 @@ def noise_worker(rank: int, world_size: int, init_file: str, out_dir: str, micro
         opt = torch.optim.SGD(ddp.parameters(), lr=0.0)
         pilot = batchpilot.Pilot(ddp, opt, ds, batch_size=256, noise_every=1, max_micro_batch_size=micro)
         accumulation = set()
+        small = set()  # small batches (micro-batches read on this rank) per measured step
+        pilot.add_callback(lambda p, record: small.add(len(p._noise._sizes)))
         # 1000 steps: enough for the EMA (decay 0.99 ** (1 / 4) per measurement) to settle.
         for x, y in pilot.batches(max_steps=1000):
             accumulation.add(pilot.micro_batch.accumulation_steps)
             pilot.backward(0.5 * ((ddp(x).view(-1) - y) ** 2).mean())
         out = {k: v for k, v in pilot.last_record.items() if k.startswith("stats/")}
-        out.update(true_g2=true_g2, true_tr=true_tr, accumulation=sorted(accumulation))
+        out.update(true_g2=true_g2, true_tr=true_tr, accumulation=sorted(accumulation), small=sorted(small))
         Path(out_dir, f"noise{rank}.json").write_text(json.dumps(out))
         del pilot, ddp, model  # the DDP model goes before its process group (see oom_worker)
     except BaseException:

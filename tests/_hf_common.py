@@ -132,11 +132,13 @@ def tiny_bert(seed: int = 0):
     return BertForSequenceClassification(config)
 
 
-def check_noise_by_hand(micro_per_step: list, seen_stats: list[dict], net: torch.nn.Module, loss_of) -> None:
+def check_noise_by_hand(micro_per_step: list, seen_stats: list[dict], net: torch.nn.Module, loss_of,
+                        population: int) -> None:
     """Replay plain SGD (lr 0.1) of ``net``; at each step feed McCandlish et al.'s two-batch estimate by hand
     (small: the micro-batches' gradients, big: the step's) and compare it with what the controller saw after
     that step. ``micro_per_step[k]`` lists step k's micro-batches as sample ids (empty: a ghost);
-    ``loss_of(ids)`` is the mean loss of those samples under ``net``."""
+    ``loss_of(ids)`` is the mean loss of those samples under ``net``; ``population``: the dataset's size
+    (steps are drawn from it without replacement, and the estimate is corrected for that)."""
     import pytest
 
     from batchpilot.stats import NoiseScaleEstimator
@@ -157,7 +159,8 @@ def check_noise_by_hand(micro_per_step: list, seen_stats: list[dict], net: torch
         sizes = [len(ids) for ids in parts]
         b_small = len(sizes) / sum(1 / n for n in sizes)
         if sum(sizes) > b_small:  # a step with one non-empty micro-batch has no second size: not measured
-            estimator.update(b_small, sum(float(g @ g) for g in small) / len(sizes), sum(sizes), float(big @ big))
+            estimator.update(b_small, sum(float(g @ g) for g in small) / len(sizes), sum(sizes), float(big @ big),
+                             population=population if sum(sizes) <= population else None)
         want, got = estimator.metrics(), seen_stats[k]
         for key in ("stats/noise_scale", "stats/grad_sq_norm", "stats/trace_cov"):
             assert (key in got) == (key in want), (k, key)

@@ -109,6 +109,18 @@ def test_noise_scale_over_two_ranks_matches_the_closed_form(tmp_path, micro, wra
     # second one, and measured steps are split in two instead.
     expected = [2] if own_hook else {(None, True): [1], (32, True): [2, 4], (None, False): [1]}[(micro, wrap_ddp)]
     assert r0["accumulation"] == expected
+    # With its own hook, the split step's second half is all-reduced inside DDP: only the first is read.
+    assert r0["small"] == ([1] if own_hook else {(None, True): [1], (32, True): [2, 4], (None, False): [1]}[(micro, wrap_ddp)])
+    assert r0["stats/grad_sq_norm"] == pytest.approx(r0["true_g2"], rel=0.1)
+    assert r0["stats/trace_cov"] == pytest.approx(r0["true_tr"], rel=0.1)
+
+
+def test_a_ddp_model_on_one_process_measures_both_halves_of_a_split_step(tmp_path):
+    # torchrun --nproc_per_node=1: DDP's all-reduce over one rank leaves the gradient as it is, so the last
+    # half's .grad increment is its own gradient; it used to be taken for an all-reduced one and left out.
+    mp.spawn(h.noise_worker, args=(1, str(tmp_path / "init"), str(tmp_path), None, True, False), nprocs=1, join=True)
+    r0 = json.loads((tmp_path / "noise0.json").read_text())
+    assert r0["accumulation"] == [2] and r0["small"] == [2]
     assert r0["stats/grad_sq_norm"] == pytest.approx(r0["true_g2"], rel=0.1)
     assert r0["stats/trace_cov"] == pytest.approx(r0["true_tr"], rel=0.1)
 

@@ -345,7 +345,7 @@ def test_max_micro_batch_size_passes_are_the_small_batches_and_goodput_learns_th
     passes = group_by_step(model.seen, [s.global_size for s in steps])
     assert max(len(p) for p in passes) > 3 and max(len(ids) for p in passes for ids in p) == 2
     reference = Recorder()
-    check_noise_by_hand(passes, spy.seen_stats, reference, recorder_loss(reference, data))
+    check_noise_by_hand(passes, spy.seen_stats, reference, recorder_loss(reference, data), len(data))
     cut = spy.seen_stats
     assert cut[-1]["perf/max_micro_batch_size"] == 2
     assert cut[-1]["perf/micro_time_b_s"] >= 0 and cut[-1]["perf/accumulation_steps"] == 3
@@ -584,7 +584,7 @@ def test_noise_scale_comes_from_the_micro_batches_exactly(tmp_path):
     micro = [model.seen[i:i + 3] for i in range(0, len(model.seen), 3)]  # 3 forwards (micro-batches) a step
     assert [sum(map(len, m)) for m in micro] == [s.global_size for s in steps]
     reference = Recorder()
-    check_noise_by_hand(micro, spy.seen_stats, reference, recorder_loss(reference, data))
+    check_noise_by_hand(micro, spy.seen_stats, reference, recorder_loss(reference, data), len(data))
     assert [s["stats/noise_count"] for s in spy.seen_stats] == list(range(1, len(steps) + 1))
     assert "perf/micro_time_b_s" in spy.seen_stats[-1] and spy.seen_stats[-1]["perf/accumulation_steps"] == 3
 
@@ -677,7 +677,7 @@ def test_one_micro_batch_per_step_is_split_on_measured_steps(tmp_path):
     passes = group_by_step(model.seen, [s.global_size for s in steps])
     assert all(len(p) == 2 for p in passes)  # every step measured, every step in two passes
     reference = Recorder()
-    check_noise_by_hand(passes, spy.seen_stats, reference, recorder_loss(reference, data))
+    check_noise_by_hand(passes, spy.seen_stats, reference, recorder_loss(reference, data), len(data))
     assert spy.seen_stats[-1]["stats/noise_count"] == len(steps)
     sgd, _ = sgd_reference(data, [s.indices for s in steps])
     for got, want in zip(model.parameters(), sgd.parameters()):
@@ -1010,7 +1010,7 @@ def test_torchrun_noise_scale_from_the_ranks_and_micro_batches(tmp_path, compile
     micro = [[ids for r in ranks for ids in r["micro"][2 * k:2 * k + 2]] for k in range(len(steps))]  # 2 per rank
     assert [sum(map(len, m)) for m in micro] == [s["size"] for s in steps]
     reference = Recorder()
-    check_noise_by_hand(micro, ranks[0]["stats"], reference, recorder_loss(reference, data))
+    check_noise_by_hand(micro, ranks[0]["stats"], reference, recorder_loss(reference, data), len(data))
 
 
 @pytest.mark.distributed
@@ -1028,7 +1028,7 @@ def test_torchrun_max_micro_batch_size_keeps_gradients_and_statistics(tmp_path):
     per_rank = [group_by_step(r["micro"], share) for r, share in zip(cut, shares)]
     data, reference = PointSet(64), Recorder()
     check_noise_by_hand([a + b for a, b in zip(*per_rank)], cut[0]["stats"], reference,
-                        recorder_loss(reference, data))
+                        recorder_loss(reference, data), len(data))
     assert cut[0]["weights"] == cut[1]["weights"]
     for got, want in zip(cut[0]["weights"], whole[0]["weights"]):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-13)

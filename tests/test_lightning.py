@@ -330,7 +330,8 @@ def test_noise_scale_comes_from_the_micro_batches_exactly(tmp_path):
     model = Model(adaptive, make_data(), val=False)
     trainer(tmp_path, adaptive, accumulate_grad_batches=3).fit(model)
     net = make_net()
-    check_noise_by_hand([s["micro"] for s in model.steps], spy.seen_stats, net, net_loss(net, make_data()))
+    check_noise_by_hand([s["micro"] for s in model.steps], spy.seen_stats, net, net_loss(net, make_data()),
+                        len(make_data()))
     measured = spy.seen_stats[-1]["stats/noise_count"]
     assert measured == sum(len(s["ids"]) > 1 for s in model.steps) and "perf/micro_time_b_s" in spy.seen_stats[-1]
     state = json.loads(json.dumps(adaptive.state_dict()))  # JSON-safe; the estimate travels with the callback
@@ -387,7 +388,8 @@ def test_fp16_grad_scaler_keeps_the_statistics_exact(tmp_path):
     fit.fit(model)
     assert fit.precision_plugin.scaler is scaler and scaler.get_scale() == 2.0**16  # used, never overflowed
     net = make_net()
-    check_noise_by_hand([s["micro"] for s in model.steps], spy.seen_stats, net, net_loss(net, make_data()))
+    check_noise_by_hand([s["micro"] for s in model.steps], spy.seen_stats, net, net_loss(net, make_data()),
+                        len(make_data()))
 
 
 def test_gradient_statistics_need_a_small_batch(tmp_path):
@@ -413,7 +415,7 @@ def test_ddp_noise_scale_from_the_ranks_and_micro_batches(tmp_path, manual):
     steps = zip(ranks[0]["steps"], ranks[1]["steps"])
     net = make_net()
     check_noise_by_hand([a["micro"] + b["micro"] for a, b in steps], ranks[0]["stats"], net,
-                        net_loss(net, make_data(NOISE_SAMPLES)))
+                        net_loss(net, make_data(NOISE_SAMPLES)), NOISE_SAMPLES)
 
 
 @pytest.mark.distributed

@@ -57,6 +57,35 @@ def test_unbiased_by_exhaustive_enumeration():
     assert sum(ts) / len(ts) == pytest.approx(true_t, rel=1e-12)
 
 
+def test_without_replacement_the_population_correction_makes_it_unbiased():
+    # A sampler that draws without replacement (one permutation per epoch) from N samples: every ordered
+    # draw of 3 distinct samples out of 4, split into micro-batches of 1 and 2. E|G_b|^2 = |G|^2 +
+    # S^2 (1/b - 1/N) with S^2 the N-1-normalised covariance trace, so the plain estimate's |G|^2 reads
+    # low by S^2 / N and population=N removes exactly that; tr(Sigma) is S^2 either way.
+    pop = torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 1.0], [-1.0, 0.5]], dtype=torch.float64)
+    n = len(pop)
+    mu = pop.mean(0)
+    true_g, s2 = float(mu @ mu), float(((pop - mu) ** 2).sum()) / (n - 1)
+    plain, corrected = [], []
+    for a, b, c in itertools.permutations(range(n), 3):
+        micro = [pop[a], (pop[b] + pop[c]) / 2]
+        big = (pop[a] + pop[b] + pop[c]) / 3
+        args = small_big_from_micro([float(g @ g) for g in micro], [1, 2], float(big @ big))
+        plain.append(two_batch_estimates(*args))
+        corrected.append(two_batch_estimates(*args, population=n))
+    mean = lambda xs, i: sum(x[i] for x in xs) / len(xs)  # noqa: E731
+    assert mean(corrected, 0) == pytest.approx(true_g, rel=1e-12)
+    assert mean(corrected, 1) == pytest.approx(s2, rel=1e-12) == mean(plain, 1)
+    assert mean(plain, 0) == pytest.approx(true_g - s2 / n, rel=1e-12)
+    # A whole-dataset step is the true gradient: |G|^2 comes out exact from any single draw.
+    g, _ = two_batch_estimates(2, 9.0, n, float(mu @ mu), population=n)
+    assert g == pytest.approx(true_g, rel=1e-12)
+    with pytest.raises(ValueError, match="b_big=8.0 is larger than population=4.0"):
+        two_batch_estimates(2, 5.0, 8, 2.0, population=4)
+    with pytest.raises(ValueError, match="population must be a finite number of samples > 0, got 0"):
+        two_batch_estimates(2, 5.0, 8, 2.0, population=0)
+
+
 def test_small_big_from_micro_hand_derived_and_ghosts():
     # sizes 2, 4, 4 (and a ghost of size 0, ignored): b_small = 3 / (1/2 + 1/4 + 1/4) = 3, b_big = 10.
     out = small_big_from_micro([6.0, 3.0, 0.0, 3.0], [2, 4, 0, 4], 1.5)

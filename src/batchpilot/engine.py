@@ -333,7 +333,8 @@ class Pilot:
         if noise_every is None and (needs_gradient_stats(self.controller) or self.adascale is not None):
             noise_every = DEFAULT_NOISE_EVERY
         self._noise = GradientNoiseProbe(
-            self._params, every=noise_every, ranks_are_small_batches=self._engine_reduces
+            self._params, every=noise_every, ranks_are_small_batches=self._engine_reduces,
+            population=self.num_samples,  # the sampler draws each epoch without replacement
         ) if noise_every else None
         if (self._noise is not None and self._ddp_syncs and self.world_size > 1
                 and not self._noise.attach_ddp(self._ddp_model)):
@@ -661,7 +662,9 @@ class Pilot:
             to_mean = weight * (1 if self.loss_reduction == "mean" else n)
             if self.scaler is not None:
                 to_mean *= float(self.scaler.get_scale())
-            self._noise.after_backward(n, to_mean, synced=self._ddp_syncs and micro.is_last)
+            # On one process DDP's all-reduce changes nothing: the last micro-batch's .grad is still its own.
+            synced = self._ddp_syncs and micro.is_last and self.world_size > 1
+            self._noise.after_backward(n, to_mean, synced=synced)
 
     # ------------------------------------------------------------------ out of memory
     def _agreed_micro_cap(self) -> int | None:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ._validation import check_positive_int
 from .clipping import sum_of_squares
 from .stats.loss_trend import LossTrend
 from .stats.noise_scale import NoiseScaleEstimator
@@ -60,11 +61,16 @@ class GradientNoiseProbe:
             constant of about 400 steps.
         ranks_are_small_batches: Every rank's gradient is visible before the engine reduces it (several
             ranks, no DDP): the ranks are the small batches, so a measured step is never split.
+        population: The dataset's size: steps are drawn from it without replacement, and the estimate is
+            corrected for that (see :func:`~batchpilot.stats.two_batch_estimates`); ``None``: no correction.
+            The attribute may be set between steps (a dataset reloaded with another size).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], every: int = DEFAULT_NOISE_EVERY,
-                 ema_decay: float | None = None, ranks_are_small_batches: bool = False) -> None:
+                 ema_decay: float | None = None, ranks_are_small_batches: bool = False,
+                 population: int | None = None) -> None:
         self.params = params
+        self.population = population
         self.every = every
         self._split = not ranks_are_small_batches
         if ema_decay is None:
@@ -190,8 +196,10 @@ class GradientNoiseProbe:
             k, inverse_sizes, sq_sum = totals
             if k > 0 and math.isfinite(sq_sum) and math.isfinite(grad_sq_norm):
                 b_small = k / inverse_sizes  # harmonic mean of the small batch sizes
+                # A step longer than the dataset repeats samples: no correction for it (never in the engine).
+                population = self.population if self.population and global_size <= self.population else None
                 if global_size > b_small:
-                    self.estimator.update(b_small, sq_sum / k, global_size, grad_sq_norm)
+                    self.estimator.update(b_small, sq_sum / k, global_size, grad_sq_norm, population=population)
         self.measuring = False
         return self.values()
 
@@ -210,8 +218,11 @@ class GradientNoiseProbe:
         return {"every": int(self.every), "estimator": self.estimator.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.every = int(state["every"])
+        """Restore what :meth:`state_dict` returned (``ValueError``/``TypeError`` for a period that is not an
+        int >= 1, or an invalid estimator state; nothing is changed then)."""
+        every = check_positive_int(state["every"], "the checkpoint's noise_every")
         self.estimator.load_state_dict(state["estimator"])
+        self.every = every
 
 
 class MicroTimer:

@@ -98,9 +98,12 @@ class StepStats:
             logger.warning("the DDP model already has a communication hook: the last micro-batch of each rank is "
                            "not measured, so the noise scale rests on the other micro-batches (see docs/statistics.md)")
 
-    def begin_step(self, step: int, global_size: int) -> None:
-        """Step ``step`` (counting from 0) of ``global_size`` samples starts."""
+    def begin_step(self, step: int, global_size: int, population: int | None = None) -> None:
+        """Step ``step`` (counting from 0) of ``global_size`` samples starts; its samples are drawn without
+        replacement from ``population`` (the dataset's size; ``None``: leave it as it was)."""
         self._step, self._global = step, global_size
+        if population is not None:
+            self.probe.population = population
         self._started = time.perf_counter()
         if self._params_of is not None and step % self.probe.every == 0:
             self.probe.set_params(self._params_of())

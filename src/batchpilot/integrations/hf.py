@@ -415,7 +415,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
         self._bp_next = 0
         if run.stats is not None:
             run.stats.attach(self.model_wrapped)  # DDP exists by now (Trainer wraps after on_train_begin)
-            run.stats.begin_step(run.driver.step, micro[0].global_size)
+            run.stats.begin_step(run.driver.step, micro[0].global_size, run.driver.num_samples)
         data = [m.data for m in micro]
         owns_scaling = self._loss_owns_scaling()
         if owns_scaling:  # a loss normalised by num_items_in_batch: ghosts' integer labels -100 add no loss

@@ -476,7 +476,7 @@ class AdaptiveBatchSize(Callback):
                                    "optimizer_steps": trainer.global_step}
         if micro is not None and self.stats is not None:
             if micro.micro_index == 0:
-                self.stats.begin_step(self.driver.step, micro.global_size)
+                self.stats.begin_step(self.driver.step, micro.global_size, self.driver.num_samples)
             self.stats.begin_micro()
 
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
