@@ -69,6 +69,33 @@ def test_bench_resume_trains_only_the_missing_runs(tmp_path, capsys, monkeypatch
     assert again["runs"] == resumed["runs"] and [r["after_runs"] for r in again["config"]["resumed"]] == [2, 4]
 
 
+def test_an_interrupted_bench_says_whether_its_results_json_holds_finished_runs(tmp_path, capsys, monkeypatch):
+    import batchpilot.bench.runner as runner
+
+    bench = ["bench", "--workload", "synthetic", "--policies", "static:32,static:64", "--seeds", "0",
+             "--budget-s", "20", "--no-progress", "--calibrate-steps", "1", "--out", str(tmp_path)]
+
+    def interrupt_at(n):
+        calls = []
+
+        def train(*args, _real=runner.train_one, **kwargs):
+            calls.append(1)
+            if len(calls) == n:
+                raise KeyboardInterrupt
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(runner, "train_one", train)
+
+    interrupt_at(2)  # after the first run, which wrote results.json
+    with pytest.raises(SystemExit) as exc:
+        main(bench)
+    assert exc.value.code == 130 and "finished runs are in" in capsys.readouterr().err
+    interrupt_at(1)  # a new bench into the same folder, stopped before its first run: the old file is no progress
+    with pytest.raises(SystemExit) as exc:
+        main([*bench[:-2], "--budget-s", "30", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 130 and "no run had finished;" in err and "is as it was before" in err, err
+
+
 def test_bench_resume_refuses_other_settings_or_a_damaged_file(tmp_path, capsys):
     bench = ["bench", "--workload", "synthetic", "--policies", "static:32", "--budget-s", "20", "--no-progress",
              "--calibrate-steps", "1", "--out", str(tmp_path), "--resume"]
@@ -78,6 +105,18 @@ def test_bench_resume_refuses_other_settings_or_a_damaged_file(tmp_path, capsys)
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "other settings (seeds: [0] there, [0, 1] now)" in err and "another --out" in err
+    good = json.loads((tmp_path / "results.json").read_text())
+    # Damaged runs are refused with a message, not a traceback (a KeyError used to escape from the summary).
+    for damage, says in [(lambda r: r.pop("policy"), "run 0 lacks policy"), (lambda r: r.pop("seed"), "run 0 lacks seed"),
+                         (lambda r: r.pop("time_to_target_s"), "run 0 lacks time_to_target_s"),
+                         (lambda r: r.update(seed="0"), "run 0 has policy 'static:32' and seed '0'")]:
+        broken = json.loads(json.dumps(good))
+        damage(broken["runs"][0])
+        (tmp_path / "results.json").write_text(json.dumps(broken))
+        with pytest.raises(SystemExit) as exc:
+            main([*bench, "--seeds", "0"])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "not a complete bench results.json" in err and says in err, err
     (tmp_path / "results.json").write_text('{"runs": [')
     with pytest.raises(SystemExit):
         main([*bench, "--seeds", "0"])
@@ -225,6 +264,22 @@ def test_summarize_counts_missed_runs_as_infinitely_slow():
     assert summary["ramp:32-512"]["ratio_vs_best_static"] == 5.0 / 12.0
 
 
+def test_target_b_reads_static_32_from_the_tuned_grid_when_it_was_not_asked_for_alone():
+    from batchpilot.bench.summary import finish_results
+
+    runs = [_run("static:32@lr=0.005", 20.0), _run("static:32", 10.0), _run("static:32@lr=0.02", 8.0),
+            _run("noise-scale", 4.0)]
+    members = {"tuned-static:32": ["static:32@lr=0.005", "static:32", "static:32@lr=0.02"],
+               "noise-scale": ["noise-scale"]}
+    results = finish_results({"runs": runs, "members": members,
+                              "config": {"policies": ["tuned-static:32", "noise-scale"]}})
+    b = results["targets"]["b"]
+    assert b["status"] == "PASS" and b["value"] == 2.5, b  # static:32 (10 s) / noise-scale (4 s)
+    assert "static:32" not in results["summary"]  # the table keeps the requested policies
+    assert results["untuned_default"]["policy"] == "static:32"
+    assert results["untuned_default"]["median_time_to_target_s"] == 10.0
+
+
 def test_summarize_without_a_static_policy_has_no_ratio():
     summary, best = summarize([_run("ramp:32-512", 3.0)])
     assert best is None and summary["ramp:32-512"]["ratio_vs_best_static"] is None
@@ -259,6 +314,10 @@ def test_ramp_doubles_every_quarter_epoch_up_to_its_end():
     ("ramp:32-512@0", "must be > 0"),
     ("warmup:32-512", "warmup:SMALL-TARGET@W+R"),
     ("adaptive:7", "unknown policy kind 'adaptive'"),
+    ("static:\u00b2", "'\u00b2' is not a whole number"),
+    ("static:3\u0663", "'3\u0663' is not a whole number"),
+    ("noise-scale@lr-rule=", "lr-rule '' is not one of"),
+    ("static:512@lr-rule=", "lr-rule '' is not one of"),
 ])
 def test_bad_policy_names_the_spec_and_the_valid_forms(spec, fragment):
     with pytest.raises(ValueError) as info:
@@ -280,6 +339,7 @@ def test_policy_list_errors():
      "unknown workload 'imagenet'; choose one of: cifar10, cifar100, digits, mnist1d, seqsum, synthetic, or all."),
     (["bench", "--workload", "synthetic", "--tune-factors", "1,x"], "--tune-factors '1,x' is not"),
     (["bench", "--workload", "synthetic", "--tune-factors", "0,1"], "must list positive numbers"),
+    (["bench", "--workload", "synthetic", "--tune-factors", "1,0.5,1.0000001"], "lists 1 twice"),
     (["bench", "--workload", "synthetic", "--policies", "noise-scale:5"], "takes no argument"),
     (["bench", "--workload", "synthetic", "--seeds", "0,x"], "'x' is not a whole number"),
     (["bench", "--workload", "synthetic", "--seeds", "\u00b2"], "'\u00b2' is not a whole number"),

@@ -85,6 +85,29 @@ def test_missing_damaged_or_unsafe_files_are_named(tmp_path):
         load_cifar("cifar1000", tmp_path)
 
 
+@pytest.mark.parametrize("key, value, says", [
+    (b"labels", [10] * 20, "labels of type int64 from 10 to 10; b'labels' must be class indices 0-9"),
+    (b"labels", [-1] * 20, "from -1 to -1; b'labels' must be class indices 0-9"),
+    (b"labels", [b"cat"] * 20, "labels of type |S3; b'labels' must be class indices"),
+    (b"data", [[300] * 3072] * 20, "pixel data of type int64 from 300 to 300; a CIFAR batch holds bytes 0-255"),
+    (b"data", np.full((20, 3072), 0.5), "pixel data of type float64 from 0.5 to 0.5"),
+    (b"data", None, "pixel data of type object"),
+    (b"data", [[1, 2], [3]], "holds data or labels that are no arrays"),
+])
+def test_a_batch_with_bad_pixels_or_labels_is_refused_by_name(tmp_path, key, value, says):
+    # Before: labels 10 failed at the first training step, 300 raised OverflowError, 0.5 became black images.
+    fake_cifar10(tmp_path)
+    path = tmp_path / "cifar-10-batches-py" / "data_batch_2"
+    with open(path, "rb") as f:
+        batch = pickle.load(f)
+    batch[key] = value
+    with open(path, "wb") as f:
+        pickle.dump(batch, f, protocol=2)
+    with pytest.raises(ValueError) as info:
+        load_cifar("cifar10", tmp_path)
+    assert "data_batch_2' holds" in str(info.value) and says in str(info.value), str(info.value)
+
+
 def test_resnet8_is_a_function_of_its_seed():
     a, b, c = cifar_resnet(0), cifar_resnet(0), cifar_resnet(1)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))

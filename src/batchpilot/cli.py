@@ -122,6 +122,11 @@ def _factors(text: str) -> list[float]:
         raise ValueError(f"--tune-factors {text!r} is not a comma-separated list of numbers, e.g. 0.5,1,2.") from None
     if not values or any(not (0 < v < float("inf")) for v in values):
         raise ValueError(f"--tune-factors {text!r} must list positive numbers, e.g. 0.5,1,2.")
+    shown = [f"{v:g}" for v in values]  # the grid's cells are named by their LR to 6 significant digits
+    twice = sorted({s for s in shown if shown.count(s) > 1})
+    if twice:
+        raise ValueError(f"--tune-factors {text!r} lists {', '.join(twice)} twice (to 6 significant digits); "
+                         "list each factor once.")
     return values
 
 
@@ -183,6 +188,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if budget is None:
             budget = workload.quick_budget_s if args.quick else workload.budget_s
         folder = out / workload.name if len(workloads) > 1 else out
+        saved = folder / "results.json"
+        before = saved.stat().st_mtime_ns if saved.is_file() else None  # an earlier bench's file is no progress
         try:
             results = run_benchmark(workload, policies, seeds, target, budget, folder, args.eval_every, args.progress,
                                     calibrate_steps=args.calibrate_steps, tune_factors=factors, resume=args.resume,
@@ -192,8 +199,10 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         except ValueError as exc:  # --resume from a damaged or different results.json, or an unusable --device
             parser.error(str(exc))
         except KeyboardInterrupt:
-            saved = folder / "results.json"
-            where = f"finished runs are in {saved} (--resume goes on)" if saved.is_file() else "no run had finished"
+            if saved.is_file() and saved.stat().st_mtime_ns != before:
+                where = f"finished runs are in {saved} (--resume goes on)"
+            else:
+                where = "no run had finished" + ("" if before is None else f"; {saved} is as it was before")
             parser.exit(130, f"\nbatchpilot bench: interrupted; {where}\n")
         everything[workload.name] = results
         print()

@@ -31,6 +31,7 @@ CIFAR_FOLDERS = {
     "cifar10": ("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)], "test_batch", b"labels"),
     "cifar100": ("cifar-100-python", ["train"], "test", b"fine_labels"),
 }
+CIFAR_CLASSES = {"cifar10": 10, "cifar100": 100}
 # Per-channel mean and standard deviation of the CIFAR-10 training images (the usual normalisation).
 _MEAN = np.array([0.4914, 0.4822, 0.4465], dtype=np.float32).reshape(1, 3, 1, 1)
 _STD = np.array([0.2470, 0.2435, 0.2616], dtype=np.float32).reshape(1, 3, 1, 1)
@@ -71,12 +72,24 @@ def _read_batch(path: Path) -> dict[bytes, Any]:
     return batch
 
 
-def _images_and_labels(path: Path, label_key: bytes) -> tuple[np.ndarray, np.ndarray]:
+def _images_and_labels(path: Path, label_key: bytes, classes: int) -> tuple[np.ndarray, np.ndarray]:
     batch = _read_batch(path)
-    data = np.asarray(batch[b"data"], dtype=np.uint8)
     if label_key not in batch:
         raise ValueError(f"{str(path)!r} has no {label_key!r} entry (keys: {sorted(batch)}); is it the other CIFAR?")
-    labels = np.asarray(batch[label_key], dtype=np.int64)
+    try:
+        raw, labels = np.asarray(batch[b"data"]), np.asarray(batch[label_key])
+    except Exception as exc:  # ragged lists and the like
+        raise ValueError(f"{str(path)!r} holds data or labels that are no arrays ({type(exc).__name__}: {exc}).") from exc
+    # Cast only what is whole numbers in range: a cast would wrap 300 to 44 and truncate 0.5 to 0 silently.
+    if raw.dtype.kind not in "ui" or (raw.size and not 0 <= raw.min() <= raw.max() <= 255):
+        raise ValueError(f"{str(path)!r} holds pixel data of type {raw.dtype}" + (
+            f" from {raw.min()} to {raw.max()}" if raw.dtype.kind in "uif" and raw.size else "") +
+            "; a CIFAR batch holds bytes 0-255.")
+    if labels.dtype.kind not in "ui" or (labels.size and not 0 <= labels.min() <= labels.max() < classes):
+        raise ValueError(f"{str(path)!r} holds labels of type {labels.dtype}" + (
+            f" from {labels.min()} to {labels.max()}" if labels.dtype.kind in "uif" and labels.size else "") +
+            f"; {label_key!r} must be class indices 0-{classes - 1}. Is it the other CIFAR?")
+    data, labels = raw.astype(np.uint8), labels.astype(np.int64)
     if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(labels) != len(data):
         raise ValueError(f"{str(path)!r} holds data of shape {data.shape} and {len(labels)} labels; a CIFAR batch "
                          "has N rows of 3072 bytes (1024 red, 1024 green, 1024 blue) and N labels.")
@@ -109,7 +122,7 @@ def load_cifar(name: str = "cifar10", root: str | os.PathLike | None = None) -> 
         parts = []
         for file in files:
             try:
-                parts.append(_images_and_labels(base / file, label_key))
+                parts.append(_images_and_labels(base / file, label_key, CIFAR_CLASSES[name]))
             except FileNotFoundError:
                 raise FileNotFoundError(
                     f"{str(base / file)!r} does not exist. Download the python version of {name} from "

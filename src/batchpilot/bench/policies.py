@@ -136,7 +136,7 @@ def _bad(spec: str, why: str) -> ValueError:
 
 
 def _size(spec: str, text: str, what: str) -> int:
-    if not text.isdigit() or int(text) < 1:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:  # "²" and "٣" are digits to isdigit()
         raise _bad(spec, f"{what} {text!r} is not a whole number >= 1")
     return int(text)
 
@@ -165,8 +165,8 @@ def parse_policy(spec: str) -> Policy:
         ValueError: the spec is malformed; the message lists the valid forms.
     """
     text = spec.strip().lower()
-    text, _, rule = text.partition("@lr-rule=")
-    if rule:
+    text, marker, rule = text.partition("@lr-rule=")
+    if marker:
         if rule not in LR_RULES:
             raise _bad(spec, f"lr-rule {rule!r} is not one of {', '.join(LR_RULES)}")
         policy = parse_policy(text)

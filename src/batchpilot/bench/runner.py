@@ -48,6 +48,7 @@ import torch
 from .calibrate import Calibration, calibrate, size_grid, warm_up
 from .policies import DESCRIPTIONS, POLICY_HELP, TUNE_FACTORS, Policy, parse_policies, parse_policy
 from .progress import Progress, run_line
+from .report import check_results
 from .specs import Plan, expand
 from .summary import finish_results, summarize
 from .train import evaluate, train_one
@@ -77,6 +78,10 @@ def _previous(path: Path) -> dict[str, Any] | None:
         runs, config = data["runs"], data["config"]
         if not isinstance(runs, list) or not isinstance(config, dict):
             raise TypeError("runs or config has the wrong type")
+        check_results(data, path)  # every run has what the summary and the report read
+        for i, run in enumerate(runs):
+            if not isinstance(run["policy"], str) or isinstance(run["seed"], bool) or not isinstance(run["seed"], int):
+                raise TypeError(f"run {i} has policy {run['policy']!r} and seed {run['seed']!r}")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"cannot resume from {str(path)!r}: it is not a complete bench results.json ({exc}); {fix}.") from None
     return data

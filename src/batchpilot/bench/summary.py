@@ -314,17 +314,20 @@ def finish_results(results: dict[str, Any]) -> dict[str, Any]:
     grid = grid_search_cost(runs)
     results["grid_search"] = grid
     results["grid_search_total_s"] = grid["median_s"]
-    untuned = "static:32" if "static:32" in summary else None
+    untuned = "static:32" if "static:32" in summary or any(r["policy"] == "static:32" for r in runs) else None
+    judged = summary
+    if untuned is not None and untuned not in summary:  # trained only as a cell of tuned-static:32's LR grid
+        judged = {**summary, untuned: summarize(runs, [*summary, untuned], members)[0][untuned]}
     default = results.get("workload") == DEFAULT_WORKLOAD
-    targets = evaluate_targets(summary, best, grid, untuned, default)
+    targets = evaluate_targets(judged, best, grid, untuned, default)
     results["targets"] = targets
-    ut = summary[untuned]["median_time_to_target_s"] if untuned else None
+    ut = judged[untuned]["median_time_to_target_s"] if untuned else None
     ba = targets.get("best_adaptive")
     bt = summary[ba]["median_time_to_target_s"] if ba else None
     results["untuned_default"] = None if untuned is None else {
         "policy": untuned, "median_time_to_target_s": ut,
         "best_adaptive": ba, "speedup_of_best_adaptive": None if not (ut and bt) else ut / bt,
-        "ratio_vs_best_static": summary[untuned]["ratio_vs_best_static"],
+        "ratio_vs_best_static": judged[untuned]["ratio_vs_best_static"],
     }
     results["critical_batch"] = critical_batch(summary, runs)
     return results
