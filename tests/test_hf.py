@@ -760,8 +760,8 @@ def test_a_failing_controller_saves_the_finished_step_and_the_resumed_run_loses_
     assert all(torch.equal(a, b) for a, b in zip(full_weights, resumed_weights))
 
 
-@pytest.mark.parametrize("drop_last", [False, True])
-def test_resume_with_drop_last_or_from_the_final_checkpoint_trains_nothing_extra(tmp_path, drop_last):
+@pytest.mark.parametrize("drop_last, epochs", [(False, 2), (True, 2), (True, 1)])
+def test_resume_with_drop_last_or_from_the_final_checkpoint_trains_nothing_extra(tmp_path, drop_last, epochs):
     """Trainer counts the epochs left by steps (global_step // len(dataset)), so on resume its epoch loop
     runs more often than the data needs: with drop_last the epoch whose tail is still to be dropped, and after
     the final checkpoint every epoch, must end training, not start another step."""
@@ -770,7 +770,7 @@ def test_resume_with_drop_last_or_from_the_final_checkpoint_trains_nothing_extra
         model = Recorder()
         trainer = AdaptiveBatchSizeTrainer(
             model=model, train_dataset=PointSet(100),
-            args=quiet_args(out, per_device_train_batch_size=32, num_train_epochs=2, dataloader_drop_last=drop_last,
+            args=quiet_args(out, per_device_train_batch_size=32, num_train_epochs=epochs, dataloader_drop_last=drop_last,
                             save_strategy="steps", save_steps=2, **exact_sgd()),
         )
         steps = record_steps(trainer)
@@ -778,7 +778,8 @@ def test_resume_with_drop_last_or_from_the_final_checkpoint_trains_nothing_extra
         return steps, [p.detach().clone() for p in model.parameters()]
 
     full, weights = run(None, tmp_path / "full")
-    assert [s.global_size for s in full] == ([32, 32, 32] * 2 if drop_last else [32, 32, 32, 4] * 2)
+    # (One epoch with drop_last: the final tail used to be trained as a short step of 4.)
+    assert [s.global_size for s in full] == ([32, 32, 32] * epochs if drop_last else [32, 32, 32, 4] * epochs)
     checkpoints = sorted(tmp_path.glob("full/checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     for checkpoint in (checkpoints[1], checkpoints[-1]):  # mid-run (step 4), and the final one
         done = int(checkpoint.name.split("-")[1])
@@ -790,9 +791,17 @@ def test_resume_with_drop_last_or_from_the_final_checkpoint_trains_nothing_extra
         assert all(torch.equal(a, b) for a, b in zip(weights, resumed_weights))
 
 
-def test_a_run_whose_last_tail_is_dropped_still_saves_and_evaluates_at_its_end(tmp_path):
+@pytest.mark.parametrize("epochs, sizes, saved, evaluations", [
+    (2, [32] * 6, ["checkpoint-4", "checkpoint-6"], [4, 6]),  # 3 steps of 32 per epoch, 4 samples dropped each time
+    (1, [32] * 3, ["checkpoint-3"], [3]),
+    # The scheduler decides 64 with 36 samples left in the last epoch: they are dropped, not trained as a step of 36.
+    (1, [32, 32], ["checkpoint-2"], [2]),
+])
+def test_a_run_whose_last_tail_is_dropped_still_saves_and_evaluates_at_its_end(tmp_path, epochs, sizes, saved,
+                                                                                evaluations):
     """With a "steps" strategy Trainer saves and evaluates after the last step; with drop_last the run ends
-    before every sample is counted (the tail is dropped), and must end the same way."""
+    before every sample is counted (the tail is dropped), and must end the same way (also in a run of one
+    epoch, where the samples left in the run are exactly that tail)."""
     evaluated = []
 
     class Evaluations(TrainerCallback):
@@ -800,14 +809,16 @@ def test_a_run_whose_last_tail_is_dropped_still_saves_and_evaluates_at_its_end(t
             evaluated.append(state.global_step)
 
     trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=(lambda step, size: 64 if step >= 2 else 32) if sizes == [32, 32] else None,
         model=Recorder(), train_dataset=PointSet(100), eval_dataset=PointSet(20, seed=1), callbacks=[Evaluations()],
-        args=quiet_args(tmp_path, per_device_train_batch_size=32, num_train_epochs=2, dataloader_drop_last=True,
+        args=quiet_args(tmp_path, per_device_train_batch_size=32, num_train_epochs=epochs, dataloader_drop_last=True,
                         save_strategy="steps", save_steps=4, eval_strategy="steps", eval_steps=4, **exact_sgd()),
     )
+    steps = record_steps(trainer)
     trainer.train()
-    assert trainer.state.global_step == 6  # 3 steps of 32 per epoch, 4 samples dropped each time
-    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
-    assert evaluated == [4, 6]
+    assert [s.global_size for s in steps] == sizes and trainer.state.global_step == len(sizes)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == saved
+    assert evaluated == evaluations
 
 
 def test_sync_each_batch_is_refused_only_where_it_breaks_the_statistics(tmp_path):

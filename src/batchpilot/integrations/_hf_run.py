@@ -188,6 +188,12 @@ class HFRun:
         steps; rewinds whatever was prefetched at another size)."""
         size = self.decided if self.decided is not None else self.loader.batch_size
         left = None if self.total_samples is None else self.total_samples - self.driver.samples_seen
+        sampler = self.loader.sampler
+        if left is not None and sampler.drop_last and self.total_samples % sampler.num_samples == 0:
+            # Whole epochs with drop_last: the final epoch ends as every other, its tail dropped when smaller than
+            # the decided size (epochs_done() then ends the run). Cut to `left`, that tail would be trained as a
+            # short step, or, when the look-ahead had dropped it already, the run would never count as finished.
+            left = None
         self.loader.set_batch_size(left if left is not None and 0 < left < size else size)
 
     # ------------------------------------------------------------------ LR coupling
