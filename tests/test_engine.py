@@ -562,6 +562,24 @@ def test_corrupt_and_foreign_checkpoints_give_clear_errors_and_older_ones_stay_u
         pilot.load_checkpoint(empty)
 
 
+def test_a_checkpoint_with_a_flipped_bit_is_refused_and_the_folder_falls_back(tmp_path):
+    # torch.load does not check the zip's CRCs: one flipped bit in the pickle loaded step 2 as step 6.
+    ds, model = make_problem()
+    pilot = batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), ds, batch_size=8,
+                             checkpoint_dir=tmp_path, checkpoint_every=2)
+    for x, y in pilot.batches(max_steps=4):
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    older, newer = batchpilot.checkpoint.list_checkpoints(tmp_path)
+    raw = bytearray(newer.read_bytes())
+    at = raw.index(b"K\x04", raw.index(b"step"))  # the pickled int 4 right after the "step" key
+    raw[at + 1] ^= 0x02  # 4 -> 6
+    newer.write_bytes(bytes(raw))
+    with pytest.raises(batchpilot.CheckpointError, match="step-000000004.pt' is corrupt: its part '.*data.pkl' fails"):
+        pilot.load_checkpoint(newer)
+    with pytest.warns(UserWarning, match="(?s)skipped 1 newer checkpoint.*step-000000004.pt.*CRC"):
+        assert pilot.load_checkpoint(tmp_path) == older and pilot.step == 2
+
+
 def test_pruning_keeps_the_checkpoint_just_written_and_leaves_later_steps_alone(tmp_path):
     from batchpilot.checkpoint import list_checkpoints
 

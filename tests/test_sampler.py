@@ -696,6 +696,28 @@ def test_an_iterable_dataset_is_refused_even_with_a_length():
         AdaptiveDataLoader(Stream(), 4)
 
 
+def test_a_dataset_whose_len_is_no_int_is_told_so_and_a_bad_saved_loader_state_is_refused():
+    from batchpilot import AdaptiveDataLoader
+
+    class FloatLength(torch.utils.data.Dataset):
+        def __len__(self):
+            return 10.0
+
+        def __getitem__(self, i):
+            return i
+
+    with pytest.raises(TypeError, match="len\\(\\) of the dataset of type FloatLength failed .*must return the number"):
+        AdaptiveDataLoader(FloatLength(), 4)
+    loader = AdaptiveDataLoader(torch.utils.data.TensorDataset(torch.arange(20)), 4, max_micro_batch_size=2)
+    state = loader.state_dict()
+    for key, value, error, says in [("max_micro_batch_size", 0, ValueError, "saved max_micro_batch_size must be >= 1"),
+                                    ("max_micro_batch_size", "2", TypeError, "saved max_micro_batch_size must be"),
+                                    ("step", -1, ValueError, "the saved step must be >= 0")]:
+        with pytest.raises(error, match=says):
+            loader.load_state_dict({**state, key: value})
+    assert loader.max_micro_batch_size == 2
+
+
 class Augmented(torch.utils.data.Dataset):
     """Random augmentation in __getitem__, from torch, numpy and random."""
 

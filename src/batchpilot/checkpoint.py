@@ -14,6 +14,7 @@ import os
 import re
 import time
 import warnings
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -78,6 +79,16 @@ def _load_failure(exc: Exception) -> str:
     return f"{type(exc).__name__}: {' '.join(text.split())[:200]}"
 
 
+def _failed_crc(path: Path) -> str | None:
+    """The first part of a zip checkpoint (torch.save's format) whose data fails its CRC-32, else ``None``.
+    torch.load does not check the CRCs, so a flipped bit would load as a changed number."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+        return None  # not a readable zip: torch.load says why
+
+
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Read a checkpoint written by :func:`save_checkpoint` and return its state.
 
@@ -87,6 +98,12 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist; check the path or the checkpoint_dir.")
+    damaged = _failed_crc(path)
+    if damaged is not None:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is corrupt: its part {damaged!r} fails the archive's CRC check (a damaged "
+            "disk or copy). Load an earlier one (see latest_checkpoint)."
+        )
     try:
         # Our own files hold only tensors, containers and numbers, so the safe loader suffices.
         payload = torch.load(path, map_location="cpu", weights_only=True)

@@ -252,6 +252,9 @@ class AdaptiveDataLoader:
         try:
             length = len(dataset)  # type: ignore[arg-type]
         except TypeError as exc:
+            if callable(getattr(dataset, "__len__", None)):  # there is one, returning something else than an int
+                raise TypeError(f"len() of the dataset of type {type(dataset).__name__} failed ({exc}); its __len__ "
+                                "must return the number of samples as an int.") from exc
             raise TypeError(
                 f"dataset of type {type(dataset).__name__} has no __len__; AdaptiveDataLoader needs a map-style "
                 "dataset with a known length (wrap an iterable in a list or a Dataset)."
@@ -599,10 +602,11 @@ class AdaptiveDataLoader:
         """Continue from a :meth:`state_dict` (possibly saved under another world size)."""
         state = dict(state)
         micro = state.pop("max_micro_batch_size", self.max_micro_batch_size)
-        step = state.pop("step", 0)
+        micro = None if micro is None else check_batch_size(micro, "the saved max_micro_batch_size")
+        step = check_positive_int(state.pop("step", 0), "the saved step", minimum=0)
         self.sampler.load_state_dict(state)
         self.max_micro_batch_size = micro
-        self._next_step = int(step)
+        self._next_step = step
         self._planned.clear()
         self._pending.clear()
         self._exhausted = False
