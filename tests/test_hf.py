@@ -43,7 +43,7 @@ from _hf_common import (
 )
 from transformers import TrainerCallback, TrainingArguments
 
-from batchpilot.controllers import LinearIncrease, linear_increase_scheduler
+from batchpilot.controllers import Constant, LinearIncrease, linear_increase_scheduler
 from batchpilot.integrations.hf import AdaptiveBatchSizeTrainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -922,6 +922,12 @@ def test_invalid_scheduler_settings_fail_at_construction(tmp_path):
                                  min_batch_size=8, max_batch_size=4)
     with pytest.raises(ValueError, match="callable"):
         AdaptiveBatchSizeTrainer(batch_size_scheduler=42, model=Recorder(), train_dataset=PointSet(20),
+                                 args=quiet_args(tmp_path))
+    # Trainer's positional order would make the model (a callable nn.Module) the scheduler.
+    with pytest.raises(TypeError, match="got a torch.nn.Module \\(Recorder\\); pass the model and the rest by keyword"):
+        AdaptiveBatchSizeTrainer(Recorder(), quiet_args(tmp_path), train_dataset=PointSet(20))
+    with pytest.raises(ValueError, match="must be an instance, got the class Constant"):
+        AdaptiveBatchSizeTrainer(batch_size_scheduler=Constant, model=Recorder(), train_dataset=PointSet(20),
                                  args=quiet_args(tmp_path))
 
 

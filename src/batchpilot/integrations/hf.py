@@ -158,6 +158,12 @@ class AdaptiveBatchSizeTrainer(Trainer):
         oom_recovery: bool = False,
         **kwargs: Any,
     ) -> None:
+        if isinstance(batch_size_scheduler, torch.nn.Module):  # Trainer's positional (model, args, ...) order
+            raise TypeError(
+                "the first argument of AdaptiveBatchSizeTrainer is batch_size_scheduler, but it got a torch.nn.Module "
+                f"({type(batch_size_scheduler).__name__}); pass the model and the rest by keyword: "
+                "AdaptiveBatchSizeTrainer(batch_size_scheduler=..., model=model, args=args, ...)."
+            )
         super().__init__(*args, **kwargs)
         check_arguments(self)
         self.args.ignore_data_skip = True  # the sampler restores the position; Trainer's batch skipping cannot
