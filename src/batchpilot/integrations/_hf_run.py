@@ -187,9 +187,9 @@ class HFRun:
         """Set the loader to the decided size, cut to the samples left before ``total_samples`` (call between
         steps; rewinds whatever was prefetched at another size)."""
         size = self.decided if self.decided is not None else self.loader.batch_size
-        left = None if self.total_samples is None else self.total_samples - self.driver.samples_seen
-        sampler = self.loader.sampler
-        if left is not None and sampler.drop_last and self.total_samples % sampler.num_samples == 0:
+        total, sampler = self.total_samples, self.loader.sampler
+        left = None if total is None else total - self.driver.samples_seen
+        if total is not None and sampler.drop_last and total % sampler.num_samples == 0:
             # Whole epochs with drop_last: the final epoch ends as every other, its tail dropped when smaller than
             # the decided size (epochs_done() then ends the run). Cut to `left`, that tail would be trained as a
             # short step, or, when the look-ahead had dropped it already, the run would never count as finished.
