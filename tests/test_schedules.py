@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 
 import pytest
 from harness import assert_state_roundtrip
@@ -244,6 +245,17 @@ def test_schedule_names():
             return 2 * size
 
     assert Schedule(Doubler()).name == "Doubler"
+
+
+def test_a_schedule_that_cannot_take_step_and_size_is_refused_at_once():
+    # It used to be accepted and fail after the first training step with Python's own message.
+    for fn, shown in [(lambda s: 5, "<lambda>(s)"), (lambda step, size, lr: 5, "<lambda>(step, size, lr)"),
+                      (functools.partial(linear_increase_scheduler, step=0), "linear_increase_scheduler")]:
+        with pytest.raises(TypeError, match=r"called as fn\(step, current_size\) -> size, but " + re.escape(shown)):
+            Schedule(fn)
+    # Extra defaults, *args and objects with __call__ are fine; so is a builtin whose signature is unknown.
+    for fn in (lambda step, size, scale=2: size * scale, lambda *args: args[1], max):
+        Schedule(fn)
 
 
 def test_schedule_passes_step_and_current_size_unvalidated():

@@ -9,6 +9,7 @@ Sizes computed from real numbers are rounded half up (``floor(x + 0.5)``).
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import numbers
 from bisect import bisect_right
@@ -75,6 +76,22 @@ class _Stateless:
         return f"{type(self).__name__}({args})"
 
 
+def _check_two_arguments(fn: Callable[..., Any]) -> None:
+    """Refuse a callable that cannot be called as ``fn(step, current_size)`` (else it would fail only after the
+    first training step); one whose signature Python cannot read (some builtins) is accepted as it is."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(0, 1)
+    except TypeError as exc:
+        raise TypeError(
+            f"a schedule is called as fn(step, current_size) -> size, but {_callable_name(fn)}{signature} cannot "
+            f"take those two arguments ({exc}); give it two parameters, or wrap it: lambda step, size: ..."
+        ) from None
+
+
 class Schedule:
     """Wrap any callable ``fn(step, current_size) -> size`` as a controller (seed 003's scheduler API).
 
@@ -99,6 +116,7 @@ class Schedule:
             )
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str or None, got {name!r}; pass e.g. name='my_schedule'.")
+        _check_two_arguments(fn)
         self.fn = fn
         self.name = name if name is not None else _callable_name(fn)
 
