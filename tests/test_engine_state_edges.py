@@ -266,6 +266,26 @@ def test_a_loaded_batch_size_outside_this_pilots_bounds_is_clamped(tmp_path, cap
     assert lines[2]["old_size"] == 32 and lines[2]["new_size"] == 16
 
 
+@pytest.mark.parametrize("how", ["state_dict", "save_checkpoint"])
+def test_a_clamped_resume_trains_its_first_step_at_the_lr_of_the_clamped_size(tmp_path, how):
+    # state_dict() taken between steps holds the coupling scaled for 32; loaded outside the loop into a Pilot
+    # bounded at 16, its first step used 32's factor (twice the LR) because batches() saw it scaled already.
+    model, pilot = build(batch_size=32, max_micro_batch_size=None, lr_rule="linear", base_batch_size=8)
+    saved = {}
+    pilot.add_callback(lambda p, record: saved.setdefault("state", copy.deepcopy(p.state_dict())) if p.step == 2 else None)
+    pilot.add_callback(lambda p, record: p.save_checkpoint(tmp_path / "c.pt") if p.step == 2 else None)
+    train(pilot, model, 3)
+    model, bounded = build(batch_size=8, max_batch_size=16, max_micro_batch_size=None, lr_rule="linear",
+                           base_batch_size=8)
+    if how == "state_dict":
+        bounded.load_state_dict(saved["state"])
+    else:
+        bounded.load_checkpoint(tmp_path / "c.pt")
+    sizes: list[int] = []
+    train(bounded, model, 3, sizes=sizes)
+    assert sizes == [16] and bounded.last_record["lr"] == pytest.approx(0.1 * 16 / 8)
+
+
 def test_resuming_without_a_feature_the_run_had_warns(tmp_path, caplog):
     model, pilot = build(lr_rule="adascale", noise_every=2)
     train(pilot, model, 2)

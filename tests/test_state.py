@@ -58,6 +58,17 @@ def test_stats_clip_state_roundtrip():
     assert_state_roundtrip(lambda: StatsClip(z=2.0, window=8, warmup=3), advance, observe, steps=(0, 2, 5, 20))
 
 
+def test_stats_clip_refuses_settings_that_would_never_clip_or_are_no_numbers():
+    import pytest
+
+    for kwargs, error, says in [({"window": 5, "warmup": 8}, ValueError, "warmup=8 is larger than its window=5"),
+                                ({"z": "3"}, ValueError, "a finite z > 0"), ({"z": float("inf")}, ValueError, "finite z"),
+                                ({"window": float("inf")}, TypeError, "window must be an int"),
+                                ({"warmup": 1}, ValueError, "warmup must be >= 2")]:
+        with pytest.raises(error, match=says):
+            StatsClip(**kwargs)
+
+
 def _pilot() -> batchpilot.Pilot:
     torch.manual_seed(0)
     x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))

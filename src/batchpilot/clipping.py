@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import collections
 import math
+import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal, overload
 
 import torch
+
+from ._validation import check_positive_int
 
 
 @overload
@@ -79,9 +82,16 @@ class StatsClip:
     """
 
     def __init__(self, z: float = 3.0, window: int = 50, warmup: int = 10) -> None:
-        if not (z > 0 and window >= 2 and warmup >= 2):
-            raise ValueError(f"StatsClip needs z > 0, window >= 2, warmup >= 2; got z={z}, window={window}, warmup={warmup}.")
-        self.z, self.window, self.warmup = float(z), int(window), int(warmup)
+        if isinstance(z, bool) or not isinstance(z, numbers.Real) or not 0 < z < math.inf:
+            raise ValueError(f"StatsClip needs a finite z > 0 (standard deviations), got {z!r}.")
+        window = check_positive_int(window, "StatsClip's window", minimum=2)
+        warmup = check_positive_int(warmup, "StatsClip's warmup", minimum=2)
+        if warmup > window:
+            raise ValueError(f"StatsClip's warmup={warmup} is larger than its window={window}: the window never holds "
+                             "that many norms, so it would never clip; pass warmup <= window.")
+        self.z: float = float(z)
+        self.window: int = window
+        self.warmup: int = warmup
         self._norms: collections.deque[float] = collections.deque(maxlen=self.window)
 
     def threshold(self) -> float | None:

@@ -1066,7 +1066,9 @@ class Pilot:
         self._dropped_reported = self.loader.sampler.dropped_samples
         if self._tb is not None:
             self._tb.resume_after(self.samples_seen)
-        if in_loop:  # the loop goes on with the loaded position: its next step's LR factor
+        if in_loop or self.coupling.is_scaled:
+            # The loop goes on with the loaded position (or a state_dict() taken between steps holds a scaled
+            # coupling): the factor of its next step's real size, which this Pilot's bounds may have changed.
             self._rescale_lr()
 
     def _scheduler_problems(self, state: dict[str, Any]) -> list[str]:

@@ -34,7 +34,8 @@ class LRRangeTest:
         losses: Each step's loss (before its update).
         smoothed: The bias-corrected exponential moving average of ``losses``.
         suggestion: The LR at which the smoothed loss fell fastest per unit of ``log(lr)``, looking only up to
-            its minimum; ``None`` when it never fell.
+            its minimum and past the moving average's start-up (its first ``1 / (1 - smoothing)`` points, 10 by
+            default, where it follows the noise of single batches); ``None`` when it never fell.
         best_lr: The LR at the smoothed loss's minimum (training turns unstable not far above it).
         stopped_early: The loss diverged (non-finite, or ``diverge`` x its minimum) before ``lr_max``.
         seconds: Wall time of the test.
@@ -170,16 +171,17 @@ def lr_range_test(
             for module, training in modes:
                 module.train(training)
     best = min(range(len(smoothed)), key=smoothed.__getitem__)
-    return LRRangeTest(lrs, losses, smoothed, _steepest(lrs, smoothed, best), lrs[best], stopped_early,
+    start = round(1 / (1 - smoothing))  # the EMA's window: before it, a slope is one batch's noise
+    return LRRangeTest(lrs, losses, smoothed, _steepest(lrs, smoothed, best, start), lrs[best], stopped_early,
                        time.perf_counter() - started)
 
 
-def _steepest(lrs: list[float], smoothed: list[float], best: int) -> float | None:
-    """The LR of the most negative slope d(smoothed)/d(log lr) among the points up to ``best``."""
+def _steepest(lrs: list[float], smoothed: list[float], best: int, start: int = 0) -> float | None:
+    """The LR of the most negative slope d(smoothed)/d(log lr) among the points from ``start`` (fewer when the
+    minimum comes sooner) up to ``best``."""
     if best < 1 or smoothed[0] - smoothed[best] <= 1e-9 * abs(smoothed[0]):  # it never fell (beyond rounding)
         return None
-    slopes = [
-        (smoothed[j + 1] - smoothed[j]) / (math.log(lrs[j + 1]) - math.log(lrs[j])) for j in range(best)
-    ]
-    j = min(range(len(slopes)), key=slopes.__getitem__)
+    first = min(start, best - 1)
+    slopes = {j: (smoothed[j + 1] - smoothed[j]) / (math.log(lrs[j + 1]) - math.log(lrs[j])) for j in range(first, best)}
+    j = min(slopes, key=slopes.__getitem__)
     return lrs[j] if slopes[j] < 0 else None
