@@ -469,6 +469,59 @@ def test_report_on_a_malformed_results_json_exits_2(tmp_path, capsys, results, f
     assert info.value.code == 2 and fragment in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("case, fragment", [
+    ("log_missing_key", "not a well-formed adjustment log (KeyError"),
+    ("log_list_step", "not a well-formed adjustment log (TypeError"),
+    ("log_deep", "not a well-formed adjustment log (RecursionError"),
+    ("json_zero_step_time", "not a well-formed bench results.json (ZeroDivisionError"),
+    ("json_deep", "is not JSON (RecursionError"),
+])
+def test_report_on_hand_damaged_input_exits_2_without_a_traceback(tmp_path, capsys, case, fragment):
+    if case.startswith("log"):
+        path = tmp_path / "log.jsonl"
+        _write_log(path, steps=5)
+        extra = {"log_missing_key": '{"type": "step", "step": 6, "batch/global_size": 32, "loss": 1.0, "lr": 0.01}',
+                 "log_list_step": '{"type": "decision", "step": [1], "old_size": 32, "new_size": 64}',
+                 "log_deep": "[" * 200_000}[case]
+        path.write_text(path.read_text() + extra + "\n" + '{"type": "step", "step": 7, "samples_seen": 999}\n')
+    else:
+        path = tmp_path / "results.json"
+        run = {"policy": "static:32", "seed": 0, "time_to_target_s": 1.0, "steps_to_target": 10,
+               "samples_to_target": 320, "final_accuracy": 0.95, "wall_s": 1.5, "batch_sizes": [32],
+               "curve": [{"time_s": 0.0, "accuracy": 0.1}]}
+        path.write_text("[" * 200_000 if case == "json_deep" else json.dumps(
+            {"runs": [run], "calibration": {"sizes": [32], "step_s": [0.0], "probe_step_s": [0.0]}}))
+    with pytest.raises(SystemExit) as info:
+        main(["report", str(path), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and fragment in err and "Traceback" not in err, err
+
+
+def test_losses_at_or_below_zero_keep_a_linear_axis_and_nan_steps_do_not_pull_the_mean_down(tmp_path, monkeypatch):
+    import batchpilot.bench.plots as plots
+
+    pytest.importorskip("matplotlib")
+    log = tmp_path / "log.jsonl"
+    losses = [6.0 - 0.09 * i for i in range(100)]  # 6 down to -2.9: a log axis would hide 34 of them
+    losses[60] = math.nan
+    log.write_text("".join(json.dumps({"type": "step", "step": i + 1, "samples_seen": 32 * (i + 1),
+                                       "batch/global_size": 32, "loss": "nan" if math.isnan(v) else v, "lr": 0.01})
+                           + "\n" for i, v in enumerate(losses)))
+    seen = {}
+    real = plots._finish
+
+    def finish(fig, ax, target, *args, **kwargs):
+        seen[target.name] = (ax.get_yscale(), [line.get_ydata() for line in ax.get_lines()])
+        return real(fig, ax, target, *args, **kwargs)
+
+    monkeypatch.setattr(plots, "_finish", finish)
+    plots.plot_log(log, tmp_path / "plots")
+    scale, (raw, mean) = seen["loss.png"]
+    assert scale == "linear"
+    # The mean of the 5 steps around the NaN is the mean of the 4 finite ones (a NaN counted as 0 pulled it down).
+    assert mean[62] == pytest.approx(sum(losses[i] for i in (58, 59, 61, 62)) / 4)
+
+
 def test_a_log_cut_off_by_a_crash_is_plotted_and_a_foreign_file_named(tmp_path, capsys):
     log = tmp_path / "run.jsonl"
     _write_log(log, steps=6)

@@ -15,14 +15,36 @@ from batchpilot.stats import SystemMonitor
 
 def test_cpu_and_memory_readings():
     pytest.importorskip("psutil")
+    import time
+
+    from batchpilot.stats.system import MIN_CPU_SECONDS
+
     monitor = SystemMonitor()
-    sum(i * i for i in range(200_000))  # some work between the primed call and the sample
+    started = time.perf_counter()
+    while time.perf_counter() - started < 4 * MIN_CPU_SECONDS:  # busy: at least this much CPU time passes
+        sum(i * i for i in range(10_000))
     sample = monitor.sample()
     assert 0.0 <= sample["system/cpu_util"] <= 100.0
+    assert sample["system/cpu_util"] > 20.0  # one of the cores was busy all along (0 would be the old bug)
     assert 0.0 < sample["system/mem_used_frac"] < 1.0
     if not torch.cuda.is_available():
         assert set(sample) == {"system/cpu_util", "system/mem_used_frac"}  # no made-up GPU numbers
         assert not monitor.gpu_available
+
+
+def test_cpu_util_is_absent_until_enough_cpu_time_has_passed_and_then_measured_from_the_baseline():
+    psutil = pytest.importorskip("psutil")
+    import collections
+
+    times = collections.namedtuple("times", "user system idle iowait")
+    readings = iter([times(1.0, 0.0, 0.99, 0.01), times(1.02, 0.0, 1.0, 0.01), times(1.5, 0.0, 1.49, 0.01)])
+    monitor = SystemMonitor()
+    monitor._psutil = types.SimpleNamespace(cpu_times=lambda: next(readings), virtual_memory=psutil.virtual_memory)
+    monitor._cpu_last = monitor._cpu_times()  # busy 1.0 of 2.0 s
+    # 0.03 s of CPU time later (3 ticks): psutil.cpu_percent(None) would say 0.0 here; the monitor says nothing.
+    assert "system/cpu_util" not in monitor.sample()
+    # Measured from the kept baseline: 0.5 busy of 1.0 s.
+    assert monitor.sample()["system/cpu_util"] == pytest.approx(50.0)
 
 
 def test_missing_psutil_names_the_extra(monkeypatch):

@@ -219,6 +219,10 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+# What a field of the wrong kind or size in a hand-edited or foreign file raises deep inside the report.
+_MALFORMED = (KeyError, TypeError, AttributeError, IndexError, ZeroDivisionError, OverflowError, RecursionError)
+
+
 def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .bench.report import check_results, plot_log, write_report
 
@@ -228,18 +232,23 @@ def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if path.suffix.lower() == ".json":
             try:
                 results = json.loads(path.read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ValueError(f"{str(path)!r} is not JSON ({exc}); pass a bench results.json.") from exc
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+                raise ValueError(f"{str(path)!r} is not JSON ({type(exc).__name__}: {exc}); pass a bench "
+                                 "results.json.") from exc
             if not isinstance(results, dict) or "runs" not in results:
                 raise ValueError(f"{str(path)!r} is not a bench results.json (no 'runs'); pass an adjustment log .jsonl.")
             check_results(results, path)
             try:
                 written = list(write_report(results, out).values())
-            except (KeyError, TypeError, AttributeError) as exc:  # a field of the wrong kind
+            except _MALFORMED as exc:
                 raise ValueError(f"{str(path)!r} is not a well-formed bench results.json ({type(exc).__name__}: "
                                  f"{exc}); pass one written by `batchpilot bench`.") from exc
         else:
-            written = plot_log(path, out, x=args.x)
+            try:
+                written = plot_log(path, out, x=args.x)
+            except _MALFORMED as exc:
+                raise ValueError(f"{str(path)!r} is not a well-formed adjustment log ({type(exc).__name__}: {exc}); "
+                                 "pass one written by Pilot(log_path=...).") from exc
     except (ValueError, ImportError) as exc:
         parser.exit(2, f"batchpilot report: error: {exc}\n")
     except OSError as exc:  # a missing or unreadable file, an --out that is a file, ...

@@ -291,15 +291,21 @@ def plot_log(log_path: str | os.PathLike, out_dir: str | os.PathLike, x: str = "
             if key == "loss" and len(ys) > 50:
                 # A moving average makes the trend readable under per-step noise.
                 k = max(5, len(ys) // 50)
-                clean = [y if math.isfinite(y) else 0.0 for y in ys]
-                csum = [0.0]
-                for y in clean:
-                    csum.append(csum[-1] + y)
-                smooth = [(csum[i + 1] - csum[max(0, i - k + 1)]) / (i + 1 - max(0, i - k + 1)) for i in range(len(ys))]
+                # Over the finite losses of each window only: a skipped (NaN) step is no loss of 0.
+                csum, count = [0.0], [0]
+                for y in ys:
+                    ok = math.isfinite(y)
+                    csum.append(csum[-1] + (y if ok else 0.0))
+                    count.append(count[-1] + ok)
+                smooth = []
+                for i in range(len(ys)):
+                    n = count[i + 1] - count[max(0, i - k + 1)]
+                    smooth.append((csum[i + 1] - csum[max(0, i - k + 1)]) / n if n else math.nan)
                 ax.plot(xs, smooth, lw=2, color="C1", label=f"mean of {k} steps")
                 ax.legend(loc="best")
-        finite = [y for y in ys if math.isfinite(y) and y > 0]
-        if log_y and finite and max(finite) / min(finite) > 4:
+        finite = [y for y in ys if math.isfinite(y)]
+        # A log axis only when every value can be drawn on it (a loss may be <= 0: GaussianNLLLoss, say).
+        if log_y and finite and min(finite) > 0 and max(finite) / min(finite) > 4:
             if key == "batch/global_size":
                 _log2_axis(ax)
             else:

@@ -2,8 +2,11 @@
 
 :class:`SystemMonitor` reads, without blocking:
 
-* ``system/cpu_util``: system-wide CPU utilisation in percent (0..100) since the previous sample
-  (``psutil.cpu_percent(None)``; the monitor primes it when built, so the first sample is meaningful);
+* ``system/cpu_util``: system-wide CPU utilisation in percent (0..100) since the previous reading, from
+  ``psutil.cpu_times()`` deltas kept by the monitor itself (its own baseline, taken when it is built, in
+  any thread). Absent from a sample taken less than ``MIN_CPU_SECONDS`` of CPU time (summed over cores)
+  after the previous reading: the counters advance in clock ticks (10 ms), so a shorter interval would read
+  0 or 100, which ``psutil.cpu_percent(None)`` reports as ``0.0``;
 * ``system/mem_used_frac``: ``(total - available) / total`` of the host's memory (psutil);
 * ``system/gpu_util``: percent of the last sample period in which the GPU ran a kernel (NVML, from the
   optional ``nvidia-ml-py`` package: ``pip install -e ".[gpu]"``);
@@ -24,7 +27,10 @@ import torch
 
 from .._extras import install_hint
 
-__all__ = ["SystemMonitor"]
+__all__ = ["MIN_CPU_SECONDS", "SystemMonitor"]
+
+MIN_CPU_SECONDS = 0.05
+"""Least CPU time (seconds, summed over cores) between two ``system/cpu_util`` readings: 5 clock ticks."""
 
 logger = logging.getLogger("batchpilot")
 
@@ -48,7 +54,7 @@ class SystemMonitor:
                 f"SystemMonitor needs psutil, which is not installed: {install_hint('system')} or pip install psutil."
             ) from err
         self._psutil = psutil
-        psutil.cpu_percent(None)  # the first call only starts the interval; later calls measure since then
+        self._cpu_last = self._cpu_times()  # the baseline of the first reading
         self._cuda_index: int | None = None
         self._nvml: Any = None
         self._nvml_handle: Any = None
@@ -73,10 +79,10 @@ class SystemMonitor:
         """The current readings under their ``system/...`` names (see the module docstring)."""
         psutil = self._psutil
         mem = psutil.virtual_memory()
-        out = {
-            "system/cpu_util": float(psutil.cpu_percent(None)),
-            "system/mem_used_frac": float((mem.total - mem.available) / mem.total),
-        }
+        out = {"system/mem_used_frac": float((mem.total - mem.available) / mem.total)}
+        cpu = self._cpu_util()
+        if cpu is not None:
+            out["system/cpu_util"] = cpu
         if self._cuda_index is None:
             return out
         if self._closed:  # sampled again after close(): NVML is initialised again
@@ -91,6 +97,24 @@ class SystemMonitor:
         if mem_frac is not None:
             out["system/gpu_mem_frac"] = mem_frac
         return out
+
+    def _cpu_times(self) -> tuple[float, float]:
+        """``(busy, total)`` CPU seconds over all cores since boot, as psutil counts them (guest time is part of
+        user time on Linux, and iowait is idle)."""
+        t = self._psutil.cpu_times()
+        total = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+        idle = t.idle + getattr(t, "iowait", 0.0)
+        return total - idle, total
+
+    def _cpu_util(self) -> float | None:
+        """Percent busy since the previous reading; ``None`` (and the baseline kept) while less than
+        ``MIN_CPU_SECONDS`` have passed."""
+        busy, total = self._cpu_times()
+        last_busy, last_total = self._cpu_last
+        if total - last_total < MIN_CPU_SECONDS:
+            return None
+        self._cpu_last = (busy, total)
+        return float(min(max(100.0 * (busy - last_busy) / (total - last_total), 0.0), 100.0))
 
     def close(self) -> None:
         """Release NVML (``nvmlShutdown``, paired with the ``nvmlInit`` of this monitor); a later
