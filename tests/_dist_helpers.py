@@ -414,6 +414,13 @@ def group_setup_worker(rank: int, world_size: int, init_file: str, out_dir: str)
         result["swapped"] = None
     except ValueError as err:
         result["swapped"] = str(err)
+    whole = torch.nn.parallel.DistributedDataParallel(make_model())  # over the default group of 2
+    try:  # it would average weights while each rank decides alone, and hang when their step counts differ
+        batchpilot.Pilot(whole, torch.optim.SGD(whole.parameters(), lr=0.1), make_data(), batch_size=8, world_size=1)
+        result["ddp_alone"] = None
+    except ValueError as err:
+        result["ddp_alone"] = str(err)
+    del whole
 
     alone = make_model()
     solo = batchpilot.Pilot(alone, torch.optim.SGD(alone.parameters(), lr=0.1), make_data(), batch_size=4,

@@ -242,6 +242,7 @@ def test_the_pilot_checks_and_aligns_the_process_group_it_finds(tmp_path):
     for r in (r0, r1):
         assert "process group of 1 ranks" in r["subgroup"] and "default group" in r["subgroup"]
         assert "disagree with the process group" in r["swapped"]
+        assert r["ddp_alone"] is not None and "pass the bare model (ddp_model.module) with world_size=1" in r["ddp_alone"]
         assert "communication hook" in r["hook"] and "accumulate_grad_batches >= 2" in r["hook"]
     assert r0["solo_sizes"] == [4, 3, 3] and r1["solo_sizes"] == [4, 4, 4, 4, 4]  # each rank decides alone
 

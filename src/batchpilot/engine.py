@@ -241,8 +241,15 @@ class Pilot:
         # The bare module (what checkpoints hold) and the DDP wrapper, through torch.compile in any order.
         self._module, self._ddp_model = unwrap(model)
         ddp = self._ddp_model is not None
-        if ddp and self.world_size > 1:
+        if ddp:  # a DDP model exists only with a process group
             ddp_size = bpdist.group_size(getattr(self._ddp_model, "process_group", None))
+            if self.world_size == 1 and ddp_size > 1:
+                raise ValueError(
+                    f"world_size=1 trains this rank on its own, but the DDP model all-reduces every backward over "
+                    f"{ddp_size} ranks (they would average weights while deciding sizes apart, and hang when their "
+                    "step counts differ); pass the bare model (ddp_model.module) with world_size=1, or leave "
+                    "world_size None to train over the group."
+                )
             if ddp_size != self.world_size:
                 raise ValueError(
                     f"the DDP model averages over a process group of {ddp_size} ranks, but the batch is shared over "
