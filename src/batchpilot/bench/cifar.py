@@ -72,6 +72,17 @@ def _read_batch(path: Path) -> dict[bytes, Any]:
     return batch
 
 
+def _whole_in(values: np.ndarray, end: int) -> bool:
+    """Whether ``values`` are integers in ``[0, end)`` (an empty array is)."""
+    return values.dtype.kind in "ui" and (not values.size or 0 <= values.min() <= values.max() < end)
+
+
+def _describe(values: np.ndarray) -> str:
+    """``of type T`` and, for numbers, ``from MIN to MAX``."""
+    numeric = values.dtype.kind in "uif" and values.size
+    return f"of type {values.dtype}" + (f" from {values.min()} to {values.max()}" if numeric else "")
+
+
 def _images_and_labels(path: Path, label_key: bytes, classes: int) -> tuple[np.ndarray, np.ndarray]:
     batch = _read_batch(path)
     if label_key not in batch:
@@ -81,14 +92,11 @@ def _images_and_labels(path: Path, label_key: bytes, classes: int) -> tuple[np.n
     except Exception as exc:  # ragged lists and the like
         raise ValueError(f"{str(path)!r} holds data or labels that are no arrays ({type(exc).__name__}: {exc}).") from exc
     # Cast only what is whole numbers in range: a cast would wrap 300 to 44 and truncate 0.5 to 0 silently.
-    if raw.dtype.kind not in "ui" or (raw.size and not 0 <= raw.min() <= raw.max() <= 255):
-        raise ValueError(f"{str(path)!r} holds pixel data of type {raw.dtype}" + (
-            f" from {raw.min()} to {raw.max()}" if raw.dtype.kind in "uif" and raw.size else "") +
-            "; a CIFAR batch holds bytes 0-255.")
-    if labels.dtype.kind not in "ui" or (labels.size and not 0 <= labels.min() <= labels.max() < classes):
-        raise ValueError(f"{str(path)!r} holds labels of type {labels.dtype}" + (
-            f" from {labels.min()} to {labels.max()}" if labels.dtype.kind in "uif" and labels.size else "") +
-            f"; {label_key!r} must be class indices 0-{classes - 1}. Is it the other CIFAR?")
+    if not _whole_in(raw, 256):
+        raise ValueError(f"{str(path)!r} holds pixel data {_describe(raw)}; a CIFAR batch holds bytes 0-255.")
+    if not _whole_in(labels, classes):
+        raise ValueError(f"{str(path)!r} holds labels {_describe(labels)}; {label_key!r} must be class indices "
+                         f"0-{classes - 1}. Is it the other CIFAR?")
     data, labels = raw.astype(np.uint8), labels.astype(np.int64)
     if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(labels) != len(data):
         raise ValueError(f"{str(path)!r} holds data of shape {data.shape} and {len(labels)} labels; a CIFAR batch "

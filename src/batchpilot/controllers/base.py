@@ -144,27 +144,29 @@ def _problem(value: Any) -> str | None:
     return None if v <= MAX_DECISION else f"larger than {MAX_DECISION}"
 
 
-def check_controller(value: Any) -> None:
-    """Accept ``None``, a :class:`Controller`, or a callable ``(step, current_size) -> size``.
+def check_controller(value: Any, name: str = "controller") -> None:
+    """Accept ``None``, a :class:`Controller`, or a callable ``(step, current_size) -> size`` (``name``: the
+    caller's argument name, for the message).
 
     Raises:
-        TypeError: anything else.
+        TypeError: anything else, a class passed instead of an instance included.
     """
     if isinstance(value, type):  # a class is callable and even passes the Protocol check
         raise TypeError(
-            f"controller must be an instance, got the class {value.__name__}; call it: controller={value.__name__}(...)."
+            f"{name} must be an instance, got the class {value.__name__}; call it: {name}={value.__name__}(...)."
         )
     if value is None or isinstance(value, Controller) or callable(value):
         return
     raise TypeError(
-        f"controller must be a batchpilot Controller or a callable (step, current_size) -> size; got {type(value).__name__}."
+        f"{name} must be a batchpilot controller (decide/state_dict/load_state_dict) or a callable "
+        f"(step, current_size) -> size, got {value!r} of type {type(value).__name__}."
     )
 
 
-def as_controller(value: Any) -> Controller | None:
-    """A :class:`Controller` for ``value``: a plain callable is wrapped in :class:`~batchpilot.controllers.Schedule`
-    (``TypeError`` for anything :func:`check_controller` refuses)."""
-    check_controller(value)
+def as_controller(value: Any, name: str = "controller") -> Controller | None:
+    """A :class:`Controller` for ``value`` (``None`` stays ``None``): a plain callable is wrapped in
+    :class:`~batchpilot.controllers.Schedule` (``TypeError`` for anything :func:`check_controller` refuses)."""
+    check_controller(value, name)
     if value is None or isinstance(value, Controller):
         return value
     from .schedules import Schedule

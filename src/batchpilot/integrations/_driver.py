@@ -21,30 +21,10 @@ from .._validation import (
     check_choice,
     check_positive_int,
 )
-from ..controllers.base import Controller, Observation, validate_decision
-from ..controllers.schedules import Schedule
+from ..controllers.base import Controller, Observation, as_controller, validate_decision
 
 _FORMAT = "batchpilot.integrations.SizeDriver"
 logger = logging.getLogger("batchpilot")
-
-
-def as_controller(value: Any, name: str = "batch_size_scheduler") -> Controller | None:
-    """A batchpilot controller as is, a seed-003 callable ``(step, current_size) -> size`` wrapped in
-    :class:`~batchpilot.controllers.Schedule`, or ``None`` (keep the size).
-
-    Raises:
-        TypeError: ``value`` is neither a controller nor callable, or is a class (not an instance).
-    """
-    if isinstance(value, type):  # a class is callable and even passes the Protocol check
-        raise TypeError(f"{name} must be an instance, got the class {value.__name__}; call it: {value.__name__}(...).")
-    if value is None or isinstance(value, Controller):
-        return value
-    if callable(value):
-        return Schedule(value)
-    raise TypeError(
-        f"{name} must be a batchpilot controller (decide/state_dict/load_state_dict) or a callable "
-        f"(step, current_size) -> size, got {value!r} of type {type(value).__name__}."
-    )
 
 
 class SizeDriver:
