@@ -15,8 +15,8 @@ import torch
 
 from .. import distributed as bpdist
 from ..data.loader import AdaptiveDataLoader, MicroBatch
+from ..engine.driver import SizeDriver
 from ..lr import LRCoupling
-from ._driver import SizeDriver
 
 
 @dataclass(frozen=True)

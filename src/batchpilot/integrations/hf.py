@@ -77,7 +77,7 @@ from .._validation import check_bool, check_positive_int
 from ..controllers.base import needs_gradient_stats
 from ..data.loader import AdaptiveDataLoader
 from ..engine import is_out_of_memory
-from ._driver import SizeDriver
+from ..engine.driver import SizeDriver
 from ._hf_callbacks import BatchpilotCallback, SampleProgressCallback
 from ._hf_parts import (
     SampleLambdaLR,

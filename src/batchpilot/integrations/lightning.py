@@ -45,9 +45,9 @@ from .._validation import check_positive_int
 from ..clipping import grad_norm
 from ..controllers.base import needs_gradient_stats
 from ..data.loader import AdaptiveDataLoader, MicroBatch
+from ..engine.driver import SizeDriver
 from ..measure import read_scalars
 from ..rng import gather_rng_states, restore_rng_states, set_torch_rng, torch_rng
-from ._driver import SizeDriver
 from ._step_stats import StepStats, check_measurable
 
 __all__ = ["AdaptiveBatchSize", "AdaptiveLoader"]

@@ -381,7 +381,7 @@ def test_get_workload_lists_the_names():
 
 def test_python_dash_m_batchpilot(tmp_path):
     env = dict(os.environ)
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = str(Path(__file__).resolve().parents[2] / "src")
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-m", "batchpilot", "bench", "--policies", "nope:1"],
                           capture_output=True, text=True, env=env, timeout=120)

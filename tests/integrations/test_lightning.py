@@ -29,7 +29,7 @@ from _lightning_ddp import NOISE_SAMPLES, NUM_SAMPLES, SIZES, ManualModel, Model
 from batchpilot.controllers import Constant, LinearIncrease
 from batchpilot.integrations.lightning import AdaptiveBatchSize
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def trainer(tmp_path: Path, adaptive: AdaptiveBatchSize, **overrides) -> L.Trainer:

@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from . import distributed as bpdist
-from ._extras import install_hint
-from ._validation import (
+from .. import distributed as bpdist
+from .._extras import install_hint
+from .._validation import (
     check_batch_size,
     check_bool,
     check_bounds,
@@ -41,8 +41,8 @@ from ._validation import (
     check_positive_int,
     collect_problems,
 )
-from ._wrappers import unwrap
-from .checkpoint import (
+from .._wrappers import unwrap
+from ..checkpoint import (
     CheckpointError,
     checkpoint_path,
     class_name,
@@ -52,8 +52,8 @@ from .checkpoint import (
     prune_checkpoints,
     save_checkpoint,
 )
-from .clipping import StatsClip, grad_norm
-from .controllers.base import (
+from ..clipping import StatsClip, grad_norm
+from ..controllers.base import (
     Controller,
     Observation,
     as_controller,
@@ -62,12 +62,12 @@ from .controllers.base import (
     needs_gradient_stats,
     validate_decision,
 )
-from .data.loader import AdaptiveDataLoader, MicroBatch
-from .logs import AdjustmentLog, ProgressBar, TensorBoardSink
-from .lr import AdaScaleLR, LRCoupling, SampleLRSchedule
-from .lr._common import _check_rule
-from .measure import DEFAULT_NOISE_EVERY, GradientNoiseProbe, StepMeter, read_scalars
-from .rng import gather_rng_states, restore_rng_states, set_torch_rng, torch_rng
+from ..data.loader import AdaptiveDataLoader, MicroBatch
+from ..logs import AdjustmentLog, ProgressBar, TensorBoardSink
+from ..lr import AdaScaleLR, LRCoupling, SampleLRSchedule
+from ..lr._common import _check_rule
+from ..measure import DEFAULT_NOISE_EVERY, GradientNoiseProbe, StepMeter, read_scalars
+from ..rng import gather_rng_states, restore_rng_states, set_torch_rng, torch_rng
 
 logger = logging.getLogger("batchpilot")
 

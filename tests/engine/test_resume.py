@@ -16,8 +16,8 @@ import torch
 
 import batchpilot
 
-SCRIPT = Path(__file__).with_name("_resume_script.py")
-REPO = Path(__file__).resolve().parents[1]
+SCRIPT = Path(__file__).resolve().parents[1] / "_resume_script.py"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run(out: Path, *args: str, expect_kill: bool = False) -> None:

@@ -9,7 +9,7 @@ from _benchmarks import load_benchmark
 
 from batchpilot.controllers.base import Observation
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 pytestmark = pytest.mark.distributed
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def spawn(tmp_path: Path, steps: int, wrap_ddp: bool, micro, amp: str | None = None) -> list[dict]:

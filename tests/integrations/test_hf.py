@@ -46,7 +46,7 @@ from transformers import TrainerCallback, TrainingArguments
 from batchpilot.controllers import Constant, LinearIncrease, linear_increase_scheduler
 from batchpilot.integrations.hf import AdaptiveBatchSizeTrainer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SAMPLING_STRATEGY = "train_sampling_strategy" in TrainingArguments.__dataclass_fields__  # newer 5.x releases
 SIZES = [3, 7, 1, 12, 5, 9, 2, 20, 4, 11]  # 1 and 2 are smaller than accumulation x world size: ghosts
 

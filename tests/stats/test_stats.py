@@ -13,7 +13,7 @@ from _benchmarks import load_benchmark
 import batchpilot.stats as stats
 from batchpilot.stats import LossTrend, NoiseScaleEstimator, ThroughputModel
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_all_is_sorted_and_complete():

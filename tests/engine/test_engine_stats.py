@@ -244,7 +244,7 @@ def test_system_every_is_validated():
 
 
 def test_the_progress_total_is_the_nearest_bound(monkeypatch):
-    import batchpilot.engine as engine
+    import batchpilot.engine.pilot as engine
 
     totals = []
 

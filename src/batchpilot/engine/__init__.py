@@ -1,0 +1,6 @@
+"""The engine: `Pilot` (the step, read top to bottom) and the one decision path the integrations share."""
+
+from .driver import SizeDriver
+from .pilot import Pilot, is_out_of_memory
+
+__all__ = ["Pilot", "SizeDriver", "is_out_of_memory"]
