@@ -1,18 +1,11 @@
 """Controllers: decide the global batch size of the next step from an :class:`Observation`."""
 
-from .base import Controller, InvalidDecisionError, Observation, validate_decision
+from .base import Controller, InvalidDecisionError, Observation
+from .boundary import validate_decision
+from .callable import Schedule, linear_increase_scheduler
 from .goodput import Goodput
 from .noise_scale import NoiseScale
-from .schedules import (
-    Constant,
-    Exponential,
-    LinearIncrease,
-    MultiplicativeStep,
-    Piecewise,
-    Schedule,
-    WarmupRamp,
-    linear_increase_scheduler,
-)
+from .schedules import Constant, Exponential, LinearIncrease, MultiplicativeStep, Piecewise, WarmupRamp
 from .threshold_rules import ThresholdRules
 from .variance_rule import VarianceRule
 

@@ -1,7 +1,8 @@
-"""Plumbing shared by the adaptive controllers: reading a stat, checking arguments, "every N steps".
+"""Plumbing shared by the controllers: reading a stat, checking arguments and states, rounding, "every N steps".
 
 Private: the public classes live in ``variance_rule.py``, ``threshold_rules.py``, ``noise_scale.py`` and
-``goodput.py``. Every adaptive controller follows the same conventions:
+``goodput.py`` (the schedules take only the state check and the rounding). Every adaptive controller follows
+the same conventions:
 
 * a stat that is absent from ``obs.stats``, not a real number, or not finite (the engine writes NaN for
   "not measured") counts as *not measured*: the controller keeps ``obs.batch_size`` and says so in
@@ -104,12 +105,17 @@ def floor_size(x: float, hi: int) -> int:
     return int(math.floor(x * (1.0 + 1e-12)))
 
 
-def check_state(state: Any, name: str, keys: tuple[str, ...]) -> Mapping[str, Any]:
-    """Check that ``state`` is a state dict of the controller called ``name`` holding ``keys``."""
+def check_mapping(state: Any, name: str) -> None:
+    """Refuse a ``state`` that is not a mapping (``name``: the controller, for the message)."""
     if not isinstance(state, Mapping):
         raise TypeError(
             f"{name}.load_state_dict expects the dict returned by state_dict(), got {type(state).__name__}."
         )
+
+
+def check_state(state: Any, name: str, keys: tuple[str, ...]) -> Mapping[str, Any]:
+    """Check that ``state`` is a state dict of the controller called ``name`` holding ``keys``."""
+    check_mapping(state, name)
     if state.get("name", name) != name:
         raise ValueError(
             f"this state was saved by controller {state.get('name')!r}, not {name!r}; build the same "
