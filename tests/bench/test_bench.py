@@ -508,13 +508,13 @@ def test_losses_at_or_below_zero_keep_a_linear_axis_and_nan_steps_do_not_pull_th
                                        "batch/global_size": 32, "loss": "nan" if math.isnan(v) else v, "lr": 0.01})
                            + "\n" for i, v in enumerate(losses)))
     seen = {}
-    real = plots._finish
+    real = plots.finish
 
     def finish(fig, ax, target, *args, **kwargs):
         seen[target.name] = (ax.get_yscale(), [line.get_ydata() for line in ax.get_lines()])
         return real(fig, ax, target, *args, **kwargs)
 
-    monkeypatch.setattr(plots, "_finish", finish)
+    monkeypatch.setattr(plots, "finish", finish)
     plots.plot_log(log, tmp_path / "plots")
     scale, (raw, mean) = seen["loss.png"]
     assert scale == "linear"

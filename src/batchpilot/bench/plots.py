@@ -1,4 +1,4 @@
-"""Plots of the benchmark and of adjustment logs (PNG files drawn on bare matplotlib figures: no display,
+"""Plots of the benchmark and of adjustment logs (PNG files drawn by :mod:`batchpilot._plotting`: no display,
 no pyplot, the process's backend untouched).
 
 Bench plots (one line per run, one colour per policy; grid cells other than a tuned policy's chosen LR
@@ -15,44 +15,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .._extras import install_hint
+from .._plotting import figures, finish
 
 __all__ = ["plot_bench", "plot_log"]
-
-
-class _Figures:
-    """The few pyplot calls the plots make, on bare ``matplotlib.figure.Figure`` objects: drawing a PNG never
-    touches pyplot's state or the process's backend (a notebook's inline plots keep working)."""
-
-    def __init__(self, matplotlib: Any) -> None:
-        self._matplotlib = matplotlib
-
-    def subplots(self, *args: Any, figsize: tuple[float, float] | None = None, **kwargs: Any) -> tuple[Any, Any]:
-        from matplotlib.figure import Figure
-
-        fig = Figure(figsize=figsize)
-        return fig, fig.subplots(*args, **kwargs)
-
-    def get_cmap(self, name: str) -> Any:
-        return self._matplotlib.colormaps[name]
-
-    def close(self, fig: Any) -> None:
-        fig.clear()  # a bare Figure is not registered with pyplot: dropping it frees it
-
-
-def _pyplot() -> _Figures:
-    """Figure factory for the PNGs (matplotlib imported lazily).
-
-    Raises:
-        ImportError: matplotlib is missing (names the extra to install).
-    """
-    try:
-        import matplotlib
-    except ImportError as exc:
-        raise ImportError(
-            f"plotting needs matplotlib, an optional extra of batchpilot; install it with: {install_hint('plot')}"
-        ) from exc
-    return _Figures(matplotlib)
 
 
 def _batch_steps(run: dict[str, Any]) -> tuple[list[float], list[int]]:
@@ -97,32 +62,14 @@ def _plotted_runs(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _colours(labels: list[str]) -> dict[str, Any]:
-    plt = _pyplot()
+    plt = figures()
     cmap = plt.get_cmap("tab10" if len(labels) <= 10 else "tab20")
     return {p: cmap(i % cmap.N) for i, p in enumerate(labels)}
 
 
-def _save(fig: Any, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
-
-
-def _finish(fig: Any, ax: Any, path: Path, xlabel: str, ylabel: str, title: str, *, legend: str | None = "best",
-            legend_size: int = 7, grid: str = "both") -> None:
-    """Label the axes, add the grid (``grid``: which ticks) and the legend (``None``: none), and save."""
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3, which=grid)
-    if legend is not None:
-        ax.legend(loc=legend, fontsize=legend_size)
-    _save(fig, path)
-
-
 def plot_bench(results: dict[str, Any], out: Path) -> dict[str, Path]:
     """Write the bench plots into ``out``; returns ``{name: path}`` of the files written."""
-    plt = _pyplot()
+    plt = figures()
     runs = _plotted_runs(results)
     labels = list(dict.fromkeys(label for label, _ in runs))
     colours = _colours(labels)
@@ -148,7 +95,7 @@ def plot_bench(results: dict[str, Any], out: Path) -> dict[str, Path]:
     if accs and target is not None:
         # Zoom in on the interesting part: from a bit below the target to the top.
         ax.set_ylim(max(0.0, min(target - 0.25, sorted(accs)[len(accs) // 10])), min(1.0, max(max(accs), target) + 0.01))
-    _finish(fig, ax, paths["accuracy_vs_time"], "training wall time (s, evaluation excluded)", "test accuracy",
+    finish(fig, ax, paths["accuracy_vs_time"], "training wall time (s, evaluation excluded)", "test accuracy",
             f"{workload}: test accuracy vs training time", legend="lower right", grid="major")
 
     # Batch size vs training wall time (log scale: the sizes are powers of two apart).
@@ -161,7 +108,7 @@ def plot_bench(results: dict[str, Any], out: Path) -> dict[str, Path]:
                     label=None if label in seen else label)
             seen.add(label)
     _log2_axis(ax)
-    _finish(fig, ax, paths["batch_size_vs_time"], "training wall time (s, evaluation excluded)", "global batch size",
+    finish(fig, ax, paths["batch_size_vs_time"], "training wall time (s, evaluation excluded)", "global batch size",
             f"{workload}: batch size vs training time")
 
     # Gradient noise scale over training, where it was measured.
@@ -179,7 +126,7 @@ def plot_bench(results: dict[str, Any], out: Path) -> dict[str, Path]:
                     label=None if label in seen else f"{label}: batch size")
             seen.add(label)
         ax.set_yscale("log")
-        _finish(fig, ax, paths["noise_scale"], "epochs", "samples",
+        finish(fig, ax, paths["noise_scale"], "epochs", "samples",
                 f"{workload}: gradient noise scale B_simple (McCandlish et al. 2018) and batch size")
 
     cal = results.get("calibration")
@@ -196,7 +143,7 @@ def plot_bench(results: dict[str, Any], out: Path) -> dict[str, Path]:
                     label=f"finder: {pick}")
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(_int_formatter())
-        _finish(fig, ax, paths["throughput"], "global batch size", "samples / s (calibration)",
+        finish(fig, ax, paths["throughput"], "global batch size", "samples / s (calibration)",
                 f"{workload}: throughput vs batch size", legend_size=8)
     return paths
 
@@ -263,7 +210,7 @@ def plot_log(log_path: str | os.PathLike, out_dir: str | os.PathLike, x: str = "
             xs.append(total)
         xlabel = "wall time (s, sum of step times)"
 
-    plt = _pyplot()
+    plt = figures()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -311,6 +258,6 @@ def plot_log(log_path: str | os.PathLike, out_dir: str | os.PathLike, x: str = "
             else:
                 ax.set_yscale("log")
         target = out / name
-        _finish(fig, ax, target, xlabel, ylabel, f"{path.name}: {ylabel}", legend=None)
+        finish(fig, ax, target, xlabel, ylabel, f"{path.name}: {ylabel}", legend=None)
         paths.append(target)
     return paths

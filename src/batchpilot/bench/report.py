@@ -15,7 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .plots import _pyplot, plot_bench, plot_log
+from .._plotting import figures
+from .plots import plot_bench, plot_log
 
 __all__ = ["format_table", "plot_log", "write_index", "write_report"]
 
@@ -243,7 +244,7 @@ def write_report(results: dict[str, Any], out_dir: str | os.PathLike) -> dict[st
     out.mkdir(parents=True, exist_ok=True)
     results = _refresh(results)
     try:
-        _pyplot()
+        figures()
     except ImportError as exc:  # the tables are the report; the plots are extra
         path = out / "report.md"
         path.write_text(_markdown(results, {}) + f"\n(No plots: {exc})\n", encoding="utf-8")

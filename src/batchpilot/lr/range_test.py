@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from .._plotting import figures, finish
+
 __all__ = ["LRRangeTest", "lr_range_test"]
 
 
@@ -51,16 +53,14 @@ class LRRangeTest:
 
     def plot(self, path: str | Path) -> Path:
         """Save the smoothed loss against the LR (log axis), with the suggestion marked; needs matplotlib."""
-        from ..bench.plots import _finish, _pyplot
-
-        fig, ax = _pyplot().subplots(figsize=(6, 3.6))
+        fig, ax = figures().subplots(figsize=(6, 3.6))
         ax.plot(self.lrs, self.losses, color="#bbbbbb", lw=0.8, label="loss")
         ax.plot(self.lrs, self.smoothed, color="#08519c", label="smoothed")
         if self.suggestion is not None:
             ax.axvline(self.suggestion, color="#e6550d", ls="--", label=f"suggestion {self.suggestion:.3g}")
         ax.set_xscale("log")
         out = Path(path)
-        _finish(fig, ax, out, "learning rate", "training loss", "LR range test", legend_size=10, grid="major")
+        finish(fig, ax, out, "learning rate", "training loss", "LR range test", legend_size=10, grid="major")
         return out
 
 
