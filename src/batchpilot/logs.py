@@ -3,20 +3,23 @@
 The JSONL log is the full record seed 000 asks for ("keep the complete adjustment log"): one line per
 step (``"type": "step"``) and one per decision (``"type": "decision"``). Its byte position is part of every
 checkpoint, so a resumed run truncates the lines written after the checkpoint and the file reads as if
-the run had never been interrupted.
+the run had never been interrupted; a start with nothing to resume moves an earlier run's file aside.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from ._extras import install_hint
+
+logger = logging.getLogger("batchpilot")
 
 
 def _clean(value: Any) -> Any:
@@ -34,39 +37,62 @@ def _clean(value: Any) -> Any:
 class AdjustmentLog:
     """Append-only JSONL log of steps and decisions, buffered and resumable.
 
+    A log holds one run. A resumed run (:meth:`truncate` to its checkpoint's position) appends after the
+    checkpoint's records; a fresh start (a record or :meth:`position` before any :meth:`truncate`) moves an
+    earlier run's records aside to ``<stem>.<n><suffix>`` (``log.1.jsonl``, the first free ``n``) with a warning,
+    so a run restarted after a crash before its first checkpoint does not log its steps twice. Later records of
+    the same object, also after :meth:`close`, append.
+
     Args:
-        path: The ``.jsonl`` file. Created with its folder; an existing file is appended to (after cutting a
-            last record that a killed run left half written).
+        path: The ``.jsonl`` file, created with its folder if missing (a last record that a killed run left half
+            written is cut).
         flush_every: Lines kept in memory before writing (everything is flushed on checkpoint and close).
+
+    Attributes:
+        rotated_to: Where the fresh start moved the earlier run's records (``None``: it found none).
     """
 
     def __init__(self, path: str | os.PathLike, flush_every: int = 100) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         _drop_cut_last_line(self.path)
-        self._file = open(self.path, "a", encoding="utf-8")
+        if not self.path.exists():
+            self.path.touch()
+        self._file: TextIO | None = None  # None until this run claims the file: fresh start or resume
         self._buffer: list[str] = []
         self.flush_every = flush_every
+        self.rotated_to: Path | None = None
 
     def write(self, kind: str, record: dict[str, Any]) -> None:
         """Add one record of type ``kind`` ("step", "decision", "event")."""
         line = json.dumps({"type": kind, **{k: _clean(v) for k, v in record.items()}}, default=str)
+        self._opened()
         self._buffer.append(line)
         if len(self._buffer) >= self.flush_every:
             self.flush()
 
-    def _opened(self) -> Any:
-        """The file, opened again (for appending) if :meth:`close` closed it: a closed log still takes records."""
-        if self._file.closed:
+    def _opened(self) -> TextIO:
+        """The file for appending; on first use a fresh log, and opened again if :meth:`close` closed it."""
+        if self._file is None:
+            if self._size() > 0:
+                self.rotated_to = _free_name(self.path)
+                os.replace(self.path, self.rotated_to)
+                logger.warning("%s holds the records of a run that left no checkpoint to resume; moved them to %s "
+                               "and started a new log", self.path, self.rotated_to)
+            self._file = open(self.path, "a", encoding="utf-8")
+        elif self._file.closed:
             self._file = open(self.path, "a", encoding="utf-8")
         return self._file
+
+    def _size(self) -> int:
+        return self.path.stat().st_size if self.path.exists() else 0
 
     def flush(self) -> None:
         """Write buffered lines to disk."""
         if self._buffer:
             self._opened().write("\n".join(self._buffer) + "\n")
             self._buffer.clear()
-        if not self._file.closed:
+        if self._file is not None and not self._file.closed:
             self._file.flush()
 
     def position(self) -> int:
@@ -81,29 +107,38 @@ class AdjustmentLog:
         """Why the log cannot be cut back to ``position`` (a checkpoint's), or ``None``: a log with at least
         that many bytes is cut back, an empty one (a fresh ``log_path``) starts anew."""
         self.flush()
-        size = self.path.stat().st_size
+        size = self._size()
         if 0 < size < position:
             return (f"the checkpoint says the log {str(self.path)!r} had {position} bytes but it has {size}; was it "
                     "replaced? Resume with the run's own log, or pass a log_path that does not exist yet.")
         return None
 
     def truncate(self, position: int) -> None:
-        """Drop everything after ``position`` (records of steps that a resumed run will redo); an empty log
-        (a fresh ``log_path``) is left as it is."""
+        """Drop everything after ``position`` (records of steps that a resumed run will redo) and append from
+        there; an empty log (a fresh ``log_path``) is left as it is."""
         problem = self.resume_problem(position)
         if problem is not None:
             raise ValueError(problem)
-        if self.path.stat().st_size == 0:
-            return
-        file = self._opened()
-        file.truncate(position)
-        file.seek(position)
+        empty = self._size() == 0
+        if self._file is None or self._file.closed:  # the resumed run's records up to its checkpoint stay
+            self._file = open(self.path, "a", encoding="utf-8")
+        if not empty:
+            self._file.truncate(position)
+            self._file.seek(position)
 
     def close(self) -> None:
         """Flush and close the file (a later record opens it again)."""
-        if not self._file.closed:
+        if self._file is not None and not self._file.closed:
             self.flush()
             self._file.close()
+
+
+def _free_name(path: Path) -> Path:
+    """``<stem>.<n><suffix>`` beside ``path`` for the first ``n`` >= 1 not taken (``log.jsonl`` -> ``log.1.jsonl``)."""
+    n = 1
+    while (candidate := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
+        n += 1
+    return candidate
 
 
 _RECORD_START = b'{"type": '  # how every line of an adjustment log begins
