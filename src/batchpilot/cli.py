@@ -130,22 +130,32 @@ def _factors(text: str) -> list[float]:
     return values
 
 
+def _data_dir(option: str | None) -> Path | None:
+    """The folder of real data sets: ``--data-dir``, else ``$BATCHPILOT_DATA`` (read here only), else ``None``
+    (the loader's default)."""
+    if option is not None:
+        return Path(option).expanduser()
+    env = os.environ.get("BATCHPILOT_DATA")
+    return Path(env).expanduser() if env else None
+
+
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .bench.policies import parse_policies
     from .bench.report import format_table, write_index, write_report
     from .bench.runner import run_benchmark
-    from .bench.workloads import WORKLOADS, all_workloads, get_workload
+    from .bench.workloads import all_workloads, get_workload
 
     if args.list:
         print(list_text())
         return 0
     mode = QUICK if args.quick else FULL
+    data_dir = _data_dir(args.data_dir)
     try:
         if args.workload == "all":
-            workloads = [WORKLOADS[n] for n in all_workloads()]
+            workloads = [get_workload(n, data_dir=data_dir) for n in all_workloads()]
         else:
             try:
-                workloads = [get_workload(args.workload)]
+                workloads = [get_workload(args.workload, data_dir=data_dir)]
             except ValueError as exc:
                 raise ValueError(f"{str(exc)[:-1]}, or all.") from None
         policies = parse_policies(args.policies if args.policies is not None else mode["policies"])
@@ -170,10 +180,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
         torch.set_num_threads(args.threads)
 
-    if args.data_dir is not None:
-        if not Path(args.data_dir).expanduser().is_dir():
-            parser.error(f"--data-dir {args.data_dir!r} is not a folder.")
-        os.environ["BATCHPILOT_DATA"] = str(Path(args.data_dir).expanduser())
+    if args.data_dir is not None and not Path(args.data_dir).expanduser().is_dir():
+        parser.error(f"--data-dir {args.data_dir!r} is not a folder.")
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -128,3 +128,24 @@ def test_bench_trains_cifar10_from_a_data_dir(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         main(["bench", "--workload", "cifar10", "--data-dir", str(tmp_path / "out"), "--out", str(tmp_path / "o2")])
     assert info.value.code == 2 and "data_batch_1' does not exist" in capsys.readouterr().err
+
+
+def test_the_data_folder_reaches_the_loader_as_an_argument_and_batchpilot_data_is_read_by_the_cli(tmp_path, monkeypatch):
+    import os
+
+    from batchpilot.bench import get_workload
+    from batchpilot.cli import _data_dir
+
+    batches = fake_cifar10(tmp_path / "data")
+    monkeypatch.delenv("BATCHPILOT_DATA", raising=False)
+    train, _ = get_workload("cifar10", data_dir=tmp_path / "data").build_data(0)
+    assert len(train) == 5 * len(batches[0][b"labels"])
+    assert get_workload("mnist1d", data_dir=tmp_path) is get_workload("mnist1d")  # generated: nothing to read
+    assert _data_dir(None) is None
+    monkeypatch.setenv("BATCHPILOT_DATA", str(tmp_path / "data"))
+    assert _data_dir(None) == tmp_path / "data" and _data_dir(str(tmp_path)) == tmp_path
+    monkeypatch.delenv("BATCHPILOT_DATA")
+    assert main(["bench", "--workload", "cifar10", "--data-dir", str(tmp_path / "data"), "--policies", "static:32",
+                 "--seeds", "0", "--budget-s", "1", "--calibrate-steps", "1", "--out", str(tmp_path / "out"),
+                 "--no-progress"]) == 0
+    assert "BATCHPILOT_DATA" not in os.environ  # the folder did not travel through the environment

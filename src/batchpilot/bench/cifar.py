@@ -1,9 +1,9 @@
 """CIFAR-10 and CIFAR-100 read from the standard python-pickle batches in a local folder, and a small ResNet.
 
 Nothing is downloaded: get ``cifar-10-python.tar.gz`` / ``cifar-100-python.tar.gz`` from
-https://www.cs.toronto.edu/~kriz/cifar.html, extract it, and point ``$BATCHPILOT_DATA`` (or
-``batchpilot bench --data-dir``) at the folder that holds ``cifar-10-batches-py`` / ``cifar-100-python``
-(or at that folder itself). The files are pickles; they are read with an unpickler that only rebuilds
+https://www.cs.toronto.edu/~kriz/cifar.html, extract it, and pass the folder that holds
+``cifar-10-batches-py`` / ``cifar-100-python`` (or that folder itself) as ``root`` (``batchpilot bench
+--data-dir`` or ``$BATCHPILOT_DATA`` on the command line). The files are pickles; they are read with an unpickler that only rebuilds
 dicts, lists, strings, numbers and numpy arrays, so a file that would run other code is refused.
 
 The ResNet is He et al. 2016's CIFAR family (3x3 stem, three stages of basic blocks at 16/32/64 channels,
@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
+
+from .seeding import seeded_model
 
 __all__ = ["CIFAR_FOLDERS", "CifarResNet", "cifar_resnet", "data_dir", "load_cifar"]
 
@@ -44,9 +46,8 @@ _ALLOWED = {
 
 
 def data_dir() -> Path:
-    """Where real data sets are looked for: ``$BATCHPILOT_DATA``, or ``~/.cache/batchpilot/data``."""
-    env = os.environ.get("BATCHPILOT_DATA")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "batchpilot" / "data"
+    """Where real data sets are looked for without a ``root``: ``~/.cache/batchpilot/data``."""
+    return Path.home() / ".cache" / "batchpilot" / "data"
 
 
 class _SafeUnpickler(pickle.Unpickler):
@@ -135,7 +136,8 @@ def load_cifar(name: str = "cifar10", root: str | os.PathLike | None = None) -> 
                 raise FileNotFoundError(
                     f"{str(base / file)!r} does not exist. Download the python version of {name} from "
                     f"https://www.cs.toronto.edu/~kriz/cifar.html, extract it so that {folder}/ is in one folder, "
-                    "and pass that folder (batchpilot bench --data-dir DIR, or BATCHPILOT_DATA=DIR)."
+                    "and pass that folder (load_cifar(name, root=DIR); batchpilot bench --data-dir DIR, or "
+                    "BATCHPILOT_DATA=DIR)."
                 ) from None
         data = np.concatenate([d for d, _ in parts])
         labels = np.concatenate([y for _, y in parts])
@@ -184,6 +186,4 @@ class CifarResNet(nn.Module):
 
 def cifar_resnet(seed: int, num_classes: int = 10) -> nn.Module:
     """ResNet-8 for ``num_classes`` classes, with weights initialised from ``seed``."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return CifarResNet(num_classes)
+    return seeded_model(seed, lambda: CifarResNet(num_classes))

@@ -17,6 +17,7 @@ from typing import Any
 
 from .._plotting import figures
 from .plots import plot_bench, plot_log
+from .summary import category, finish_results
 
 __all__ = ["format_table", "plot_log", "write_index", "write_report"]
 
@@ -29,14 +30,10 @@ def _fmt(value: Any, spec: str, suffix: str = "") -> str:
 
 def _refresh(results: dict[str, Any]) -> dict[str, Any]:
     """Summary, best static, grid cost and targets recomputed from the runs (works on partial files)."""
-    from .runner import finish_results
-
     return finish_results(dict(results))
 
 
 def _rows(results: dict[str, Any]) -> list[list[str]]:
-    from .summary import category
-
     summary, best = results["summary"], results.get("best_static_policy")
     rows = []
     for name, s in summary.items():

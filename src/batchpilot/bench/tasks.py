@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from .._extras import install_hint
+from .seeding import seeded_model
 
 __all__ = ["DigitsMLP", "SeqSumTransformer", "digits_data", "digits_mlp", "seqsum_data", "seqsum_transformer"]
 
@@ -90,9 +91,7 @@ class DigitsMLP(nn.Module):
 
 
 def digits_mlp(seed: int) -> nn.Module:
-    from .workloads import _seeded_model
-
-    return _seeded_model(seed, DigitsMLP)
+    return seeded_model(seed, DigitsMLP)
 
 
 # ------------------------------------------------------------------------------------------- seqsum
@@ -138,9 +137,7 @@ class SeqSumTransformer(nn.Module):
 
 
 def seqsum_transformer(seed: int) -> nn.Module:
-    from .workloads import _seeded_model
-
-    return _seeded_model(seed, SeqSumTransformer)
+    return seeded_model(seed, SeqSumTransformer)
 
 
 def adam(params, lr: float) -> torch.optim.Optimizer:

@@ -4,10 +4,8 @@ A :class:`Workload` is everything ``batchpilot bench`` needs to train one model 
 policies: how to build the data (a fixed function of a data seed), how to build the model (a function of
 the run seed), the learning rate at the base batch size, the optimizer, and the default target accuracy.
 
-* ``mnist1d`` (default): MNIST-1D (Greydanus 2020, "Scaling down deep learning"), generated locally with
-  the ``mnist1d`` package's ``make_dataset`` (never its download path) at 60,000 samples, split 48k train /
-  12k test, and the paper's small 1D CNN. Generation takes ~20 s on one core, so the arrays are cached as
-  ``.npz`` under ``$BATCHPILOT_CACHE`` (default ``~/.cache/batchpilot``), keyed by the generation args.
+* ``mnist1d`` (default): MNIST-1D (Greydanus 2020, "Scaling down deep learning"), generated locally and
+  cached, and the paper's small 1D CNN (see :mod:`.mnist1d`).
 * ``digits``: scikit-learn's bundled digits, augmented, and an MLP (see :mod:`.tasks`); cheap per sample,
   so throughput keeps rising with the batch size.
 * ``seqsum``: a generated 16-digit sequence task and a 2-layer transformer trained with Adam and the
@@ -15,7 +13,8 @@ the run seed), the learning rate at the base batch size, the optimizer, and the 
 * ``synthetic``: nearly linearly separable Gaussian blobs and a tiny MLP, built instantly, for tests
   (left out of ``--workload all``).
 * ``cifar10``, ``cifar100``: the real data sets, read from their python-pickle batches in a local folder
-  (``$BATCHPILOT_DATA`` or ``--data-dir``; nothing is downloaded), and ResNet-8 (see :mod:`.cifar`). They
+  (``get_workload(name, data_dir=...)``; on the command line ``--data-dir`` or ``$BATCHPILOT_DATA``; nothing is
+  downloaded), and ResNet-8 (see :mod:`.cifar`). They
   are meant for a GPU; left out of ``--workload all``, and their targets and budgets are not calibrated by
   a measurement yet.
 
@@ -25,27 +24,23 @@ budget bounds every run, so a run that would never reach the target costs at mos
 
 from __future__ import annotations
 
-import hashlib
-import json
+import functools
 import os
-import random
-import tempfile
-import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, field, replace
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from .._extras import install_hint
-from .cifar import cifar_resnet, load_cifar
+from .cifar import CIFAR_FOLDERS, cifar_resnet, load_cifar
+from .mnist1d import MNIST1D_NUM_SAMPLES, MNIST1DCNN, cache_dir, load_mnist1d, mnist1d_cnn, mnist1d_data
+from .seeding import seeded_model
 from .tasks import adam, digits_data, digits_mlp, seqsum_data, seqsum_transformer
 
 __all__ = [
+    "MNIST1DCNN",
+    "MNIST1D_NUM_SAMPLES",
     "WORKLOADS",
     "Workload",
     "all_workloads",
@@ -111,130 +106,6 @@ class Workload:
     smith_every_epochs: float = 2.0
 
 
-def _seeded_model(seed: int, make: Callable[[], nn.Module]) -> nn.Module:
-    # Seed a private copy of torch's CPU RNG so building a model neither depends on nor disturbs the
-    # caller's global random state.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return make()
-
-
-# ----------------------------------------------------------------------------------------- MNIST-1D
-MNIST1D_NUM_SAMPLES = 60_000
-
-
-def cache_dir() -> Path:
-    """Where generated datasets are cached: ``$BATCHPILOT_CACHE`` or ``~/.cache/batchpilot``."""
-    env = os.environ.get("BATCHPILOT_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "batchpilot"
-
-
-def _import_mnist1d() -> tuple[Callable[..., dict], Callable[..., Any]]:
-    try:
-        from mnist1d.data import get_dataset_args, make_dataset
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "the mnist1d workload needs the 'mnist1d' package, an optional extra of batchpilot; "
-            f"install it with: {install_hint('bench')}"
-        ) from exc
-    return make_dataset, get_dataset_args
-
-
-def load_mnist1d(
-    num_samples: int = MNIST1D_NUM_SAMPLES, seed: int = 42, *, cache: bool = True
-) -> dict[str, np.ndarray]:
-    """Generate (or load from the cache) MNIST-1D with ``num_samples`` samples, 80/20 train/test split.
-
-    Uses ``mnist1d.data.make_dataset`` with the package's default arguments except ``num_samples`` and
-    ``seed``; nothing is downloaded. ``make_dataset`` reseeds the global ``random`` and ``numpy`` RNGs,
-    so their states are saved and restored around it.
-
-    Returns:
-        A dict with float32 ``x`` (N_train, 40), int64 ``y``, ``x_test``, ``y_test``.
-
-    Raises:
-        ImportError: ``mnist1d`` is not installed (names the extra to install).
-    """
-    make_dataset, get_dataset_args = _import_mnist1d()
-    args = get_dataset_args(as_dict=True)
-    args.pop("url", None)  # only used by the download path, which we never take
-    args.update(num_samples=int(num_samples), seed=int(seed))
-    key = hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir() / f"mnist1d-{num_samples}-{key}.npz"
-    if cache and path.exists():
-        try:
-            with np.load(path) as data:
-                return {k: data[k] for k in ("x", "y", "x_test", "y_test")}
-        except Exception:  # a damaged cache file (empty: EOFError, truncated: BadZipFile, ...): regenerate it
-            pass
-
-    from mnist1d.utils import ObjectView
-
-    py_state, np_state = random.getstate(), np.random.get_state()
-    try:
-        raw = make_dataset(ObjectView(dict(args)))
-    finally:
-        random.setstate(py_state)
-        np.random.set_state(np_state)
-    data = {
-        "x": raw["x"].astype(np.float32),
-        "y": raw["y"].astype(np.int64),
-        "x_test": raw["x_test"].astype(np.float32),
-        "y_test": raw["y_test"].astype(np.int64),
-    }
-    if cache:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npz.tmp")
-        except OSError as exc:  # a read-only home, say: the data is made, only not kept
-            warnings.warn(f"cannot cache MNIST-1D in {str(path.parent)!r} ({exc.strerror}); it will be generated "
-                          "again next time. Set BATCHPILOT_CACHE to a writable folder.", stacklevel=2)
-            return data
-        # Atomic write: a concurrent reader sees either no file or a complete one.
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **data)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    return data
-
-
-def _mnist1d_data(seed: int, num_samples: int = MNIST1D_NUM_SAMPLES) -> tuple[TensorDataset, TensorDataset]:
-    d = load_mnist1d(num_samples, seed)
-    # Shapes: x (N, 1, 40) float32 — one input channel of length 40 for Conv1d; y (N,) int64.
-    train = TensorDataset(torch.from_numpy(d["x"]).unsqueeze(1), torch.from_numpy(d["y"]))
-    test = TensorDataset(torch.from_numpy(d["x_test"]).unsqueeze(1), torch.from_numpy(d["y_test"]))
-    return train, test
-
-
-class MNIST1DCNN(nn.Module):
-    """The 1D CNN of the MNIST-1D paper (Greydanus 2020): three strided convolutions and a linear head.
-
-    Input (N, 1, 40) -> conv(k5, s2, p1) -> (N, 25, 19) -> conv(k3, s2, p1) -> (N, 25, 10)
-    -> conv(k3, s2, p1) -> (N, 25, 5) -> flatten (N, 125) -> linear -> (N, 10) logits. ~5k parameters.
-    """
-
-    def __init__(self, channels: int = 25, num_classes: int = 10) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv1d(1, channels, kernel_size=5, stride=2, padding=1)
-        self.conv2 = nn.Conv1d(channels, channels, kernel_size=3, stride=2, padding=1)
-        self.conv3 = nn.Conv1d(channels, channels, kernel_size=3, stride=2, padding=1)
-        self.head = nn.Linear(channels * 5, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.relu(self.conv1(x))
-        x = torch.relu(self.conv2(x))
-        x = torch.relu(self.conv3(x))
-        return self.head(x.flatten(1))
-
-
-def mnist1d_cnn(seed: int) -> nn.Module:
-    """The MNIST-1D CNN with weights initialised from ``seed``."""
-    return _seeded_model(seed, MNIST1DCNN)
-
-
 # ---------------------------------------------------------------------------------------- synthetic
 def _blobs(seed: int, n_train: int = 4096, n_test: int = 1024, dim: int = 16, classes: int = 4):
     g = torch.Generator().manual_seed(seed)
@@ -251,10 +122,15 @@ def _blobs(seed: int, n_train: int = 4096, n_test: int = 1024, dim: int = 16, cl
 
 
 def _tiny_mlp(seed: int) -> nn.Module:
-    return _seeded_model(seed, lambda: nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
+    return seeded_model(seed, lambda: nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
 
 
 # -------------------------------------------------------------------------------------------- CIFAR
+def _cifar_data(name: str, seed: int, root: str | os.PathLike | None = None) -> tuple[TensorDataset, TensorDataset]:
+    """The real set ``name`` from ``root`` (the data seed is unused: the split is the published one)."""
+    return load_cifar(name, root)
+
+
 def _cifar_workload(name: str, title: str, classes: int, *, target: float, quick_target: float) -> Workload:
     """A CIFAR workload: the real set from a local folder, ResNet-8, SGD momentum 0.9 at lr 0.1 per 128
     samples (linear rule); meant for a GPU, and its targets are first guesses, not calibrated."""
@@ -263,7 +139,7 @@ def _cifar_workload(name: str, title: str, classes: int, *, target: float, quick
         description=f"{title} (50k train / 10k test, read from the python batches in $BATCHPILOT_DATA or "
         "--data-dir, not augmented) with ResNet-8; SGD momentum 0.9, lr 0.025 at batch 32 (0.1 at 128); meant "
         "for a GPU, target not calibrated",
-        build_data=lambda seed: load_cifar(name),
+        build_data=functools.partial(_cifar_data, name),
         build_model=lambda seed: cifar_resnet(seed, num_classes=classes),
         base_lr=0.025,
         target_accuracy=target,
@@ -283,7 +159,7 @@ WORKLOADS: dict[str, Workload] = {
             name="mnist1d",
             description="MNIST-1D (60k samples, 48k train / 12k test, generated locally) with the "
             "paper's 1D CNN; SGD momentum 0.9, lr 0.01 at batch 32",
-            build_data=_mnist1d_data,
+            build_data=mnist1d_data,
             build_model=mnist1d_cnn,
             base_lr=0.01,
             target_accuracy=0.98,
@@ -346,8 +222,13 @@ def all_workloads() -> list[str]:
     return [w.name for w in WORKLOADS.values() if w.in_all]
 
 
-def get_workload(name: str | Workload) -> Workload:
+def get_workload(name: str | Workload, *, data_dir: str | os.PathLike | None = None) -> Workload:
     """Return the registered workload ``name`` (a :class:`Workload` passes through).
+
+    Args:
+        name: A registered name, or a :class:`Workload`.
+        data_dir: The folder a real data set (``cifar10``, ``cifar100``) is read from (default: that of
+            :func:`~batchpilot.bench.cifar.load_cifar`); the generated workloads ignore it.
 
     Raises:
         ValueError: ``name`` is not registered; the message lists the registered names.
@@ -355,8 +236,11 @@ def get_workload(name: str | Workload) -> Workload:
     if isinstance(name, Workload):
         return name
     try:
-        return WORKLOADS[name]
+        workload = WORKLOADS[name]
     except KeyError:
         raise ValueError(
             f"unknown workload {name!r}; choose one of: {', '.join(sorted(WORKLOADS))}."
         ) from None
+    if data_dir is not None and name in CIFAR_FOLDERS:
+        workload = replace(workload, build_data=functools.partial(_cifar_data, name, root=data_dir))
+    return workload
