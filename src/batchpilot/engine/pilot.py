@@ -66,8 +66,10 @@ from ..data.loader import AdaptiveDataLoader, MicroBatch
 from ..logs import AdjustmentLog, ProgressBar, TensorBoardSink
 from ..lr import AdaScaleLR, LRCoupling, SampleLRSchedule
 from ..lr._common import _check_rule
-from ..measure import DEFAULT_NOISE_EVERY, GradientNoiseProbe, StepMeter, read_scalars
+from ..measure import DEFAULT_NOISE_EVERY, GradientNoiseProbe, StepMeter
 from ..rng import gather_rng_states, restore_rng_states, set_torch_rng, torch_rng
+from .replay import error_summary, is_out_of_memory, keep_finished_step
+from .step_end import reduce_step_loss
 
 logger = logging.getLogger("batchpilot")
 
@@ -620,7 +622,7 @@ class Pilot:
             if not (self.oom_recovery and is_out_of_memory(exc)):
                 raise
             self._oom_size = len(self._micro.indices)  # a ghost micro-batch holds one borrowed sample
-            self._oom_error = (str(exc).splitlines() or [type(exc).__name__])[0]
+            self._oom_error = error_summary(exc)
         finally:
             self._in_micro_step = False
 
@@ -723,21 +725,8 @@ class Pilot:
             bpdist.all_reduce_gradients(self._params)
             if self._ddp_model is not None and self._ddp_model.broadcast_buffers:
                 bpdist.broadcast_buffers(self._module)  # what DDP does before a synced forward
-        loss_sum = sum(value * weight for value, (_, weight) in
-                       zip(read_scalars([loss for loss, _ in self._micro_losses]), self._micro_losses))
+        loss = reduce_step_loss(self._micro_losses, size, world_size=self.world_size, rank=self.rank)
         self._micro_losses.clear()
-        if self.world_size > 1:
-            # The step's size rides along (no extra collective): every rank must have trained the same one.
-            totals = bpdist.all_reduce_sum(torch.tensor([loss_sum, size, size * size], dtype=torch.float64))
-            loss_sum = float(totals[0])
-            if float(totals[1]) != self.world_size * size or float(totals[2]) != self.world_size * size * size:
-                raise RuntimeError(
-                    f"the ranks trained steps of different global sizes (this rank, {self.rank}: {size}; the mean "
-                    f"over ranks: {float(totals[1]) / self.world_size:g}). Under DDP call set_batch_size() on every "
-                    "rank with the same value (broadcast a value only rank 0 knows with "
-                    "batchpilot.distributed.broadcast_int)."
-                )
-        loss = loss_sum / size
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
             if self._unheld:  # the GradScaler unscales only the optimizer's parameters
@@ -918,19 +907,9 @@ class Pilot:
         """The controller failed after a finished step (every rank gets here, so the save's collectives match):
         with a ``checkpoint_dir``, save that step before the error stops the run, so nothing trained is lost.
         The checkpoint continues at the current size; a resumed run asks the controller again when next due."""
-        if self.checkpoint_dir is None:
-            return
-        try:
-            path = self.save_checkpoint()
-        except Exception as save_error:  # the controller's error is the one to report
-            logger.error("the controller failed at step %d and saving that step failed too: %s", self.step, save_error)
-            return
-        if self._lead:
-            message = (f"batchpilot saved the finished step {self.step} to {path} before stopping: fix the controller "
-                       "and resume from it (load_checkpoint(checkpoint_dir)); nothing trained is lost.")
-            logger.error("%s", message)
-            if hasattr(error, "add_note"):  # Python >= 3.11: shown with the traceback
-                error.add_note(message)
+        if self.checkpoint_dir is not None:
+            keep_finished_step(self.save_checkpoint, error, step=self.step, lead=self._lead,
+                               resume_hint="load_checkpoint(checkpoint_dir)")
 
     def _log_decision(self, current: int, new: int, source: str, note: str | None, record: dict[str, Any]) -> None:
         if new == current and note is None:
@@ -1272,11 +1251,6 @@ class Pilot:
 
 
 # ---------------------------------------------------------------------- helpers
-# torch.OutOfMemoryError is torch >= 2.5; torch.cuda's is older (both are RuntimeErrors saying so).
-_OOM_TYPES = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
-                   if t is not None)
-
-
 _STATE_KEYS = ("pilot", "model", "optimizer", "loader", "lr_schedulers", "rng", "log_position")
 _PILOT_KEYS = ("step", "samples_seen", "skipped_steps", "losses", "throughput")
 
@@ -1294,15 +1268,6 @@ def _state_shape_problem(state: Any) -> str | None:
                 f"{sorted(map(str, state))[:8]}); pass what Pilot.state_dict() returned, not a model's or "
                 "optimizer's state_dict.")
     return None
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` is an allocator running out of memory (``torch.OutOfMemoryError`` on CUDA, or a
-    ``RuntimeError`` saying so from another backend or the CPU allocator)."""
-    if isinstance(exc, _OOM_TYPES):
-        return True
-    message = str(exc).lower()
-    return isinstance(exc, RuntimeError) and ("out of memory" in message or "can't allocate memory" in message)
 
 
 def _check_schedulers(schedulers: Any, optimizer: torch.optim.Optimizer) -> None:
