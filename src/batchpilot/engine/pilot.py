@@ -64,8 +64,7 @@ from ..controllers.base import (
 )
 from ..data.loader import AdaptiveDataLoader, MicroBatch
 from ..logs import AdjustmentLog, ProgressBar, TensorBoardSink
-from ..lr import AdaScaleLR, LRCoupling, SampleLRSchedule
-from ..lr._common import _check_rule
+from ..lr import AdaScaleLR, LRCoupling, SampleLRSchedule, check_rule
 from ..measure import DEFAULT_NOISE_EVERY, GradientNoiseProbe, StepMeter
 from ..rng import gather_rng_states, restore_rng_states, set_torch_rng, torch_rng
 from .replay import error_summary, is_out_of_memory, keep_finished_step
@@ -203,7 +202,7 @@ class Pilot:
             skip_nonfinite=lambda: check_bool(skip_nonfinite, "skip_nonfinite"),
             progress=lambda: progress is None or check_bool(progress, "progress"),
             lr_schedulers=lambda: _check_schedulers(lr_schedulers, optimizer),
-            lr_rule=lambda: _check_rule(lr_rule, "lr_rule", also=("adascale",)),  # the message names every rule
+            lr_rule=lambda: check_rule(lr_rule, "lr_rule", also=("adascale",)),  # the message names every rule
             lr_knee=lambda: check_positive_int(lr_knee, "lr_knee"),
         )
         if not problems and checkpoint_every is not None and checkpoint_dir is None:

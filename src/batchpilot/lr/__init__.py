@@ -7,7 +7,7 @@
 - :mod:`.range_test`: the LR range test (Smith 2017): the largest useful LR, found in a few dozen steps.
 """
 
-from ._common import LRRule
+from ._common import LRRule, check_rule
 from .adascale import AdaScaleLR, adascale_gain
 from .coupling import LRCoupling, lr_factor
 from .range_test import LRRangeTest, lr_range_test
@@ -20,6 +20,7 @@ __all__ = [
     "LRRule",
     "SampleLRSchedule",
     "adascale_gain",
+    "check_rule",
     "lr_factor",
     "lr_range_test",
     "warmup_constant",

@@ -29,7 +29,7 @@ def _check_stat(value: Any, name: str) -> float:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _check_rule(rule: Any, name: str = "lr rule", also: tuple[str, ...] = ()) -> LRRule:
+def check_rule(rule: Any, name: str = "lr rule", also: tuple[str, ...] = ()) -> LRRule:
     """``rule`` if it is one of ``RULES`` (or of ``also``, names the caller handles itself) or a callable."""
     if callable(rule) or (isinstance(rule, str) and rule in RULES + also):
         return rule

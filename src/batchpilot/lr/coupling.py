@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .._validation import check_batch_size, check_positive_int
-from ._common import LRRule, _check_optimizer, _check_rule, _get_lr, _rule_name, _set_lr
+from ._common import LRRule, _check_optimizer, _get_lr, _rule_name, _set_lr, check_rule
 
 
 def lr_factor(rule: LRRule, batch_size: int, base_batch_size: int, knee: int = 4096) -> float:
@@ -47,7 +47,7 @@ def lr_factor(rule: LRRule, batch_size: int, base_batch_size: int, knee: int = 4
     b = check_batch_size(batch_size, "batch_size")
     b0 = check_batch_size(base_batch_size, "base_batch_size")
     knee = check_positive_int(knee, "knee")
-    rule = _check_rule(rule)
+    rule = check_rule(rule)
     ratio = b / b0
     if callable(rule):
         factor = rule(ratio)
@@ -97,7 +97,7 @@ class LRCoupling:
         _check_optimizer(optimizer)
         self.optimizer = optimizer
         self.base_batch_size = check_batch_size(base_batch_size, "base_batch_size")
-        self.rule = _check_rule(rule)
+        self.rule = check_rule(rule)
         self.knee = check_positive_int(knee, "knee")
         self._factor = 1.0
         self._batch_size: int | None = None
