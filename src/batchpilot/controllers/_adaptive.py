@@ -84,9 +84,9 @@ def check_interval(value: Any, name: str = "interval") -> int:
     return check_positive_int(value, name)
 
 
-def clamp(size: int, lo: int, hi: int) -> int:
-    """``size`` moved into ``[lo, hi]``."""
-    return min(max(size, lo), hi)
+def clamp(value: int, lo: int, hi: int) -> int:
+    """``value`` moved into ``[lo, hi]``."""
+    return min(max(value, lo), hi)
 
 
 def round_half_up(x: float) -> int:
@@ -152,11 +152,11 @@ def warming_up(obs: Observation, min_measurements: int) -> str | None:
     return None
 
 
-def limit_step(current: int, new: int, max_change: float | None) -> int:
-    """Limit one decision to a factor ``max_change`` up or down from ``current``: the LR coupled to the
+def limit_step(global_batch_size: int, proposed: int, max_change: float | None) -> int:
+    """Limit ``proposed`` to a factor ``max_change`` up or down from ``global_batch_size``: the LR coupled to the
     batch size then changes gradually too (a linear LR rule would otherwise jump by the same factor)."""
     if max_change is None:
-        return new
-    hi = max(current + 1, math.floor(current * max_change))
-    lo = min(current - 1, math.ceil(current / max_change))
-    return max(min(new, hi), lo, 1)
+        return proposed
+    hi = max(global_batch_size + 1, math.floor(global_batch_size * max_change))
+    lo = min(global_batch_size - 1, math.ceil(global_batch_size / max_change))
+    return max(min(proposed, hi), lo, 1)

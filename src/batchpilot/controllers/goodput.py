@@ -146,9 +146,9 @@ class Goodput:
 
     def decide(self, obs: Observation) -> int:
         """Return the global batch size of step ``obs.step`` (see the class docstring)."""
-        current = obs.batch_size
+        global_batch_size = obs.batch_size
         if self._b0 is None:
-            self._b0 = self.base_size if self.base_size is not None else current
+            self._b0 = self.base_size if self.base_size is not None else global_batch_size
         noise = read_stat(obs, NOISE_SCALE_KEY)
         model = self._throughput_model(obs)
         if noise is None or noise <= 0 or isinstance(model, str):
@@ -156,41 +156,41 @@ class Goodput:
                 what = model
             else:
                 what = f"{NOISE_SCALE_KEY} " + ("not measured yet" if noise is None else f"not positive ({fmt(noise)})")
-            self.reason = f"{what}; kept {current}"
-            return current
+            self.reason = f"{what}; kept {global_batch_size}"
+            return global_batch_size
         waiting = warming_up(obs, self.min_measurements)
         if waiting is not None:
-            self.reason = f"{waiting}; kept {current}"
-            return current
+            self.reason = f"{waiting}; kept {global_batch_size}"
+            return global_batch_size
         period = obs.step // self.interval
         if period <= self._period:
-            self.reason = f"next decision at step {(self._period + 1) * self.interval}; kept {current}"
-            return current
+            self.reason = f"next decision at step {(self._period + 1) * self.interval}; kept {global_batch_size}"
+            return global_batch_size
         self._period = period
 
         phi = noise  # narrowed to float above: the closure keeps the narrowing
 
-        def goodput(size: int) -> float:
-            return size / step_time(size, *model) * self.efficiency(size, phi)
+        def goodput(candidate: int) -> float:
+            return candidate / step_time(candidate, *model) * self.efficiency(candidate, phi)
 
-        size = clamp(current, self.min_size, self.max_size)
+        global_batch_size = clamp(global_batch_size, self.min_size, self.max_size)
         table = {s: goodput(s) for s in self.sizes}
-        table.setdefault(size, goodput(size))
+        table.setdefault(global_batch_size, goodput(global_batch_size))
         self.last_table = dict(sorted(table.items()))
         best = max(self.sizes, key=lambda s: (table[s], -s))  # ties: the smaller size
-        gain = table[best] / table[size]
+        gain = table[best] / table[global_batch_size]
         prefix = (
-            f"step {obs.step}: phi={fmt(phi)}, best {best} (goodput {fmt(table[best])}) vs {size} "
-            f"({fmt(table[size])}): x{gain:.3f}"
+            f"step {obs.step}: phi={fmt(phi)}, best {best} (goodput {fmt(table[best])}) vs {global_batch_size} "
+            f"({fmt(table[global_batch_size])}): x{gain:.3f}"
         )
-        if best != size and table[best] > (1.0 + self.switch_threshold) * table[size]:
-            new = limit_step(size, best, self.max_change)
-            limited = "" if new == best or self.max_change is None else \
+        if best != global_batch_size and table[best] > (1.0 + self.switch_threshold) * table[global_batch_size]:
+            decided = limit_step(global_batch_size, best, self.max_change)
+            limited = "" if decided == best or self.max_change is None else \
                 f", limited to x{fmt(self.max_change)} per decision"
-            self.reason = f"{prefix} > 1 + {fmt(self.switch_threshold)} -> {new}{limited}"
-            return new
-        self.reason = f"{prefix} <= 1 + {fmt(self.switch_threshold)}; kept {size}"
-        return size
+            self.reason = f"{prefix} > 1 + {fmt(self.switch_threshold)} -> {decided}{limited}"
+            return decided
+        self.reason = f"{prefix} <= 1 + {fmt(self.switch_threshold)}; kept {global_batch_size}"
+        return global_batch_size
 
     def _throughput_model(self, obs: Observation) -> tuple[float, float, float, int | None, int, int | None] | str:
         """``(a, b, overhead, max_micro, world_size, fixed_accum)`` from ``obs.stats``, or a text saying what is

@@ -125,62 +125,66 @@ class NoiseScale:
 
     def decide(self, obs: Observation) -> int:
         """Return the global batch size of step ``obs.step`` (see the class docstring)."""
-        current = obs.batch_size
+        global_batch_size = obs.batch_size
         noise = read_stat(obs, NOISE_SCALE_KEY)
         if noise is None or noise <= 0:
             what = "not measured yet" if noise is None else f"not positive ({fmt(noise)})"
-            self.reason = f"{NOISE_SCALE_KEY} {what}; kept {current}"
-            return current
+            self.reason = f"{NOISE_SCALE_KEY} {what}; kept {global_batch_size}"
+            return global_batch_size
         self._update(obs.step, math.log(noise))
         assert self._log_ema is not None
         waiting = warming_up(obs, self.min_measurements)
         if waiting is not None:
-            self.reason = f"{waiting}; kept {current}"
-            return current
+            self.reason = f"{waiting}; kept {global_batch_size}"
+            return global_batch_size
         period = obs.step // self.interval
         if period <= self._period:
             self.reason = (
                 f"B_simple={fmt(noise)} (smoothed {fmt(math.exp(self._log_ema))}); next decision at step "
-                f"{(self._period + 1) * self.interval}; kept {current}"
+                f"{(self._period + 1) * self.interval}; kept {global_batch_size}"
             )
-            return current
+            return global_batch_size
         self._period = period
-        size = clamp(current, self.min_size, self.max_size)
+        global_batch_size = clamp(global_batch_size, self.min_size, self.max_size)
         target = self.factor * math.exp(self._log_ema)
         band = 1.0 + self.hysteresis
         prefix = f"step {obs.step}: target {fmt(self.factor)} x {fmt(math.exp(self._log_ema))} = {fmt(target)}"
-        inside = size / band <= target <= size * band
-        if inside or (target < size and not self.allow_shrink):
+        inside = global_batch_size / band <= target <= global_batch_size * band
+        if inside or (target < global_batch_size and not self.allow_shrink):
             why = "within the hysteresis band" if inside else "below, and allow_shrink=False"
-            self.reason = f"{prefix} {why} of {size}; kept {size}"
-            return size
+            self.reason = f"{prefix} {why} of {global_batch_size}; kept {global_batch_size}"
+            return global_batch_size
         # The step limit first, then the rounding: the size always lies on the round_to grid. When the nearest
         # grid point lies past max_change, the grid point on the near side is taken if it still moves; only
         # when no grid point moves within the limit does the decision go one grid point past it.
-        grow = target > size
+        grow = target > global_batch_size
+
+        def moves(candidate: int) -> bool:  # away from global_batch_size, toward the target
+            return candidate > global_batch_size if grow else candidate < global_batch_size
+
         limited = min(target, 4.0 * self.max_size)
         if self.max_change is not None:  # as limit_step: at most x max_change, at least one sample
-            lo = min(size - 1, math.ceil(size / self.max_change))
-            hi = max(size + 1, math.floor(size * self.max_change))
+            lo = min(global_batch_size - 1, math.ceil(global_batch_size / self.max_change))
+            hi = max(global_batch_size + 1, math.floor(global_batch_size * self.max_change))
             limited = min(max(limited, lo), hi)
-            new = self._round_and_clamp(max(limited, 1.0))
-            if (new > hi if grow else new < lo) and self.round_to is not None:
+            decided = self._round_and_clamp(max(limited, 1.0))
+            if (decided > hi if grow else decided < lo) and self.round_to is not None:
                 inner = self._round_and_clamp(max(limited, 1.0), toward_current=grow)
-                if (inner > size if grow else inner < size):
-                    new = inner
+                if moves(inner):
+                    decided = inner
             capped = target > hi if grow else target < lo
-            if capped and self.round_to is not None and not (new > size if grow else new < size):
+            if capped and self.round_to is not None and not moves(decided):
                 free = self._round_and_clamp(max(min(target, 4.0 * self.max_size), 1.0))  # without the limit
-                if free > size if grow else free < size:  # a limit never moves further than no limit
-                    new = self._next_grid_point(size, grow)  # no grid point moves within it: one past it
+                if moves(free):  # a limit never moves further than no limit
+                    decided = self._next_grid_point(global_batch_size, grow)  # none moves within it: one past
         else:
-            new = self._round_and_clamp(max(limited, 1.0))
-        moved = new > size if grow else new < size
-        if not moved:
-            self.reason = f"{prefix}: rounding/bounds give {new}, no move from {size}; kept {size}"
-            return size
-        self.reason = f"{prefix} -> {new} (round_to={self.round_to!r}, [{self.min_size}, {self.max_size}])"
-        return new
+            decided = self._round_and_clamp(max(limited, 1.0))
+        if not moves(decided):
+            self.reason = (f"{prefix}: rounding/bounds give {decided}, no move from {global_batch_size}; "
+                           f"kept {global_batch_size}")
+            return global_batch_size
+        self.reason = f"{prefix} -> {decided} (round_to={self.round_to!r}, [{self.min_size}, {self.max_size}])"
+        return decided
 
     def _update(self, step: int, log_noise: float) -> None:
         if self._log_ema is None or self._last_step is None:
@@ -190,14 +194,14 @@ class NoiseScale:
             self._log_ema = keep * self._log_ema + (1.0 - keep) * log_noise
             self._last_step = step
 
-    def _next_grid_point(self, size: int, grow: bool) -> int:
-        """The first ``round_to`` grid point strictly above (``grow``) or below ``size``, within the bounds."""
+    def _next_grid_point(self, global_batch_size: int, grow: bool) -> int:
+        """The first ``round_to`` grid point strictly above (``grow``) or below ``global_batch_size``, within bounds."""
         if self.round_to == "pow2":
-            exponent = math.log2(size)
+            exponent = math.log2(global_batch_size)
             point = 2 ** (math.floor(exponent) + 1 if grow else math.ceil(exponent) - 1)
         else:
             quantum = int(self.round_to)  # type: ignore[arg-type]
-            point = quantum * (size // quantum + 1 if grow else -(-size // quantum) - 1)
+            point = quantum * (global_batch_size // quantum + 1 if grow else -(-global_batch_size // quantum) - 1)
             point = max(quantum, point)
         return clamp(point, self.min_size, self.max_size)
 
@@ -208,15 +212,15 @@ class NoiseScale:
         target = min(target, 4.0 * self.max_size)
         pick = round if toward_current is None else (math.floor if toward_current else math.ceil)
         if self.round_to is None:
-            size = round_half_up(target)
+            rounded = round_half_up(target)
         elif self.round_to == "pow2":
             exponent = math.log2(target)
-            size = round_half_up(2.0 ** (round(exponent) if toward_current is None else pick(exponent)))
+            rounded = round_half_up(2.0 ** (round(exponent) if toward_current is None else pick(exponent)))
         else:
             quantum = int(self.round_to)
             steps = round_half_up(target / quantum) if toward_current is None else pick(target / quantum)
-            size = max(quantum, quantum * steps)
-        return clamp(size, self.min_size, self.max_size)
+            rounded = max(quantum, quantum * steps)
+        return clamp(rounded, self.min_size, self.max_size)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able state: the EMA of ``log(B_simple)``, its last update step, the last decision period."""

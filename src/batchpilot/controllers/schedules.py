@@ -158,8 +158,7 @@ class MultiplicativeStep(_Stateless):
             return hi
         if log_size < math.log(lo) - 1.0:
             return lo
-        size = round_half_up(self.start * self.factor**k)
-        return _clamp(size, lo, hi)
+        return _clamp(round_half_up(self.start * self.factor**k), lo, hi)
 
 
 class Exponential(_Stateless):
@@ -289,9 +288,9 @@ class Piecewise(_Stateless):
 # ----------------------------------------------------------------------------- helpers
 
 
-def _clamp(size: int, lo: int, hi: int | None) -> int:
-    size = max(size, lo)
-    return size if hi is None else min(size, hi)
+def _clamp(value: int, lo: int, hi: int | None) -> int:
+    value = max(value, lo)
+    return value if hi is None else min(value, hi)
 
 
 def _check_real(value: Any, name: str, *, low: float | None = None, inclusive: bool = False) -> float:

@@ -146,7 +146,7 @@ class ThresholdRules:
             self.reason = f"next check at step {(self._period + 1) * self.check_every}; kept {obs.batch_size}"
             return obs.batch_size
         self._period = period
-        current = clamp(obs.batch_size, self.min_size, self.max_size)
+        global_batch_size = clamp(obs.batch_size, self.min_size, self.max_size)
 
         variance = read_stat(obs, VARIANCE_KEY)
         util_key, util = self._utilisation(obs)
@@ -155,27 +155,28 @@ class ThresholdRules:
             self._plateau_checks = self._plateau_checks + 1 if trend < self.plateau_threshold else 0
 
         if variance is not None and variance > self.variance_threshold:
-            size = self._shrink(current)
+            decided = self._shrink(global_batch_size)
             why = f"{VARIANCE_KEY}={fmt(variance)} > {fmt(self.variance_threshold)}: shrink"
         elif util is not None and util < self.util_threshold:
-            size = self._grow(current)
+            decided = self._grow(global_batch_size)
             why = f"{util_key}={fmt(util)} < {fmt(self.util_threshold)}: grow"
         elif self._plateau_checks >= self.patience:
-            size = self._grow(current) if self.plateau_action == "grow" else self._shrink(current)
+            change = self._grow if self.plateau_action == "grow" else self._shrink
+            decided = change(global_batch_size)
             why = (
                 f"{LOSS_TREND_KEY} < {fmt(self.plateau_threshold)} at {self._plateau_checks} checks in a row: "
                 f"{self.plateau_action}"
             )
             self._plateau_checks = 0
         else:
-            size = current
+            decided = global_batch_size
             missing = [k for k, v in ((VARIANCE_KEY, variance), (util_key, util), (LOSS_TREND_KEY, trend))
                        if v is None and k is not None]
             why = "no rule fired" + (f" (not measured: {', '.join(missing)})" if missing else "")
-        if size != obs.batch_size:
+        if decided != obs.batch_size:
             self._plateau_checks = 0
-        self.reason = f"step {obs.step}: {why} -> {size}"
-        return size
+        self.reason = f"step {obs.step}: {why} -> {decided}"
+        return decided
 
     def _utilisation(self, obs: Observation) -> tuple[str | None, float | None]:
         """``(key, percent)`` of the utilisation the grow rule reads, per ``util_source``."""
@@ -187,11 +188,13 @@ class ThresholdRules:
                 return GPU_UTIL_KEY, gpu
         return CPU_UTIL_KEY, read_stat(obs, CPU_UTIL_KEY)
 
-    def _grow(self, size: int) -> int:
-        return clamp(max(round_half_up(size * self.grow_factor), size + 1), self.min_size, self.max_size)
+    def _grow(self, global_batch_size: int) -> int:
+        grown = max(round_half_up(global_batch_size * self.grow_factor), global_batch_size + 1)
+        return clamp(grown, self.min_size, self.max_size)
 
-    def _shrink(self, size: int) -> int:
-        return clamp(min(round_half_up(size * self.shrink_factor), size - 1), self.min_size, self.max_size)
+    def _shrink(self, global_batch_size: int) -> int:
+        shrunk = min(round_half_up(global_batch_size * self.shrink_factor), global_batch_size - 1)
+        return clamp(shrunk, self.min_size, self.max_size)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able state: the period of the last check and the plateau count."""

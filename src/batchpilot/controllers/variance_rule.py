@@ -110,34 +110,34 @@ class VarianceRule:
 
     def decide(self, obs: Observation) -> int:
         """Return the global batch size of step ``obs.step`` (see the class docstring)."""
-        current = obs.batch_size
+        global_batch_size = obs.batch_size
         variance = read_stat(obs, VARIANCE_KEY)
         if variance is None or variance < 0:
             what = "not measured yet" if variance is None else f"negative ({fmt(variance)})"
-            self.reason = f"{VARIANCE_KEY} {what}; kept {current}"
-            return current
+            self.reason = f"{VARIANCE_KEY} {what}; kept {global_batch_size}"
+            return global_batch_size
         if self._base_variance is None:
             self._base_variance = self.sigma_base**2 if self.sigma_base is not None else variance
-            self._b0 = self.base_size if self.base_size is not None else current
+            self._b0 = self.base_size if self.base_size is not None else global_batch_size
         period = obs.step // self.interval
         if period <= self._period:
             self.reason = (
                 f"sigma_t^2={fmt(variance)} (base {fmt(self._base_variance)}, B0={self._b0}); next decision "
-                f"at step {(self._period + 1) * self.interval}; kept {current}"
+                f"at step {(self._period + 1) * self.interval}; kept {global_batch_size}"
             )
-            return current
+            return global_batch_size
         self._period = period
         assert self._b0 is not None
         if variance == 0:
-            size, formula = self.max_size, "sigma_t^2 = 0 -> max_size"
+            decided, formula = self.max_size, "sigma_t^2 = 0 -> max_size"
         else:
             raw = self._b0 * self._base_variance / variance
-            size = clamp(floor_size(raw, self.max_size), self.min_size, self.max_size)
+            decided = clamp(floor_size(raw, self.max_size), self.min_size, self.max_size)
             formula = (
                 f"floor({self._b0} * {fmt(self._base_variance)} / {fmt(variance)}) = floor({fmt(raw)})"
             )
-        self.reason = f"step {obs.step}: {formula} -> {size} in [{self.min_size}, {self.max_size}]"
-        return size
+        self.reason = f"step {obs.step}: {formula} -> {decided} in [{self.min_size}, {self.max_size}]"
+        return decided
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able state: B0 and ``sigma_base^2`` in use, and the period of the last decision."""
