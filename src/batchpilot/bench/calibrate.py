@@ -140,14 +140,15 @@ class Calibration:
         }
 
 
-def _time_steps(workload: Workload, train: TensorDataset, size: int, steps: int, warm: int,
+def _time_steps(workload: Workload, train: TensorDataset, global_batch_size: int, steps: int, warm: int,
                 noise_every: int | None) -> list[float]:
-    """Seconds of each of ``steps`` optimizer steps at ``size`` after ``warm`` untimed ones."""
+    """Seconds of each of ``steps`` optimizer steps at ``global_batch_size`` after ``warm`` untimed ones."""
     from ..engine import Pilot
 
     model = workload.build_model(0).to(train.tensors[0].device)  # the model goes where the data is
     optimizer = workload.make_optimizer(model.parameters(), workload.base_lr * 1e-3)  # timing only
-    pilot = Pilot(model, optimizer, train, batch_size=size, progress=False, seed=0, noise_every=noise_every)
+    pilot = Pilot(model, optimizer, train, batch_size=global_batch_size, progress=False, seed=0,
+                  noise_every=noise_every)
     times: list[float] = []
     pilot.add_callback(lambda p, record: times.append(record["perf/step_time_s"]))
     loss_fn = workload.loss_fn
@@ -163,9 +164,9 @@ def warm_up(workload: Workload, train: TensorDataset, sizes: Sequence[int], warm
     """A throwaway pass at each of ``sizes``, plain and measured, to pay one-off costs (imports, allocator,
     first kernels) before anything is timed: the calibration does it for its first size; a resumed bench,
     whose calibration is loaded, for every size."""
-    for size in sizes:
-        _time_steps(workload, train, size, 1, warm, None)
-        _time_steps(workload, train, size, 1, warm, 1)
+    for global_batch_size in sizes:
+        _time_steps(workload, train, global_batch_size, 1, warm, None)
+        _time_steps(workload, train, global_batch_size, 1, warm, 1)
 
 
 def _suffix_min(times: list[float]) -> list[float]:

@@ -232,7 +232,7 @@ def run_benchmark(
     lo, hi = min(wl.min_batch_size, n), min(wl.max_batch_size, n)
     extra = [s for p in pols if p.batch_size for s in (p.batch_size, p.end)]
     largest = {p.name: max(s for s in (p.batch_size, p.end) if s) for p in pols if p.batch_size}
-    too_big = [f"{name} ({size})" for name, size in largest.items() if size > n]
+    too_big = [f"{name} ({most})" for name, most in largest.items() if most > n]
     if too_big:
         raise ValueError(f"batch sizes beyond the {wl.name} training set of {n} samples: {', '.join(too_big)}; a step "
                          f"cannot hold more samples than there are (the LR would be scaled for a batch that never "

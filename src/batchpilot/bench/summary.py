@@ -242,9 +242,9 @@ def _static_epochs(summary: Mapping[str, Any]) -> dict[int, float]:
         epochs = s.get("median_epochs_to_target")
         if m is None or epochs is None:
             continue
-        size, tuned = int(m.group(2)), m.group(1) is not None
-        if size not in points or (tuned and not points[size][0]):
-            points[size] = (tuned, float(epochs))
+        global_batch_size, tuned = int(m.group(2)), m.group(1) is not None
+        if global_batch_size not in points or (tuned and not points[global_batch_size][0]):
+            points[global_batch_size] = (tuned, float(epochs))
     return {b: e for b, (_, e) in sorted(points.items())}
 
 

@@ -120,9 +120,10 @@ class _Run:
             self.noise_scale = float(noise)
         # The policy's size for the step just done (record["batch/global_size"] is smaller for the last,
         # partial batch of an epoch), and the size of the next step (the decision has been made).
-        current, size = self.batch_sizes[-1]["batch_size"], pilot.batch_size
-        if size != current:
-            self.batch_sizes.append({"step": step, "samples_seen": samples, "time_s": t, "batch_size": size})
+        global_batch_size, next_global_batch_size = self.batch_sizes[-1]["batch_size"], pilot.batch_size
+        if next_global_batch_size != global_batch_size:
+            self.batch_sizes.append({"step": step, "samples_seen": samples, "time_s": t,
+                                     "batch_size": next_global_batch_size})
         loss = record.get("loss")
         if (isinstance(loss, float) and not math.isfinite(loss)) or \
                 record.get("train/skipped_steps", 0) >= MAX_SKIPPED_STEPS:
@@ -132,7 +133,7 @@ class _Run:
             # A divergence between grid points is evaluated for the record, but cannot reach the target.
             off_grid = samples < self.next_eval
             self.next_eval = (samples // self.eval_samples + 1) * self.eval_samples
-            self.evaluate(t, step, samples, current, final=off_grid)
+            self.evaluate(t, step, samples, global_batch_size, final=off_grid)
             if self.reached is not None:
                 self.done, self.stop_reason = True, "target"
         if t >= self.budget_s:
