@@ -29,7 +29,7 @@ def test_wheel_ships_py_typed_and_the_cli(tmp_path: Path) -> None:
         assert "batchpilot = batchpilot.cli:main" in zf.read(entry_points).decode()
     # PEP 561: without py.typed a user's mypy treats batchpilot as untyped and ignores its annotations.
     assert "batchpilot/py.typed" in names
-    assert "batchpilot/integrations/hf.py" in names and "batchpilot/bench/workloads.py" in names
+    assert "batchpilot/integrations/hf/trainer.py" in names and "batchpilot/bench/workloads.py" in names
 
 
 def test_a_framework_that_is_installed_but_fails_to_import_is_not_called_missing() -> None:

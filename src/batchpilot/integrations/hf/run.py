@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import distributed as bpdist
-from ..data.loader import AdaptiveDataLoader, MicroBatch
-from ..engine.driver import SizeDriver
-from ..lr import LRCoupling
+from ... import distributed as bpdist
+from ...data.loader import AdaptiveDataLoader, MicroBatch
+from ...engine.driver import SizeDriver
+from ...lr import LRCoupling
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,7 @@ class HFRun:
         self.max_micro_batch_size = max_micro_batch_size
         self.oom_replays = 0  # steps run again after running out of memory (this train() call)
         self.decided: int | None = None  # the controller's last size (the loader's may be cut to the samples left)
+        self.samples_at_start = 0  # samples_seen when this train() call began (its throughput counts from there)
 
     # ------------------------------------------------------------------ progress (read by logs and users)
     @property
@@ -110,6 +111,12 @@ class HFRun:
     def virtual_epoch(self) -> float:
         """``samples_seen / len(dataset)`` (seed 003's logged ``epoch``)."""
         return self.driver.samples_seen / self.loader.sampler.num_samples
+
+    def finished(self, num_train_epochs: float) -> bool:
+        """Training by epochs, all of them are done: every sample counted, or every epoch covered
+        (``epochs_done()`` counts one whose tail ``drop_last`` will drop)."""
+        return self.total_samples is not None and (
+            self.samples_seen >= self.total_samples or self.loader.epochs_done() >= num_train_epochs)
 
     # ------------------------------------------------------------------ one step
     def begin_step(self, micro: list[MicroBatch]) -> list[float]:
@@ -158,6 +165,8 @@ class HFRun:
         step = self.inflight
         if step is None:
             raise RuntimeError("end_step() without a step in flight: get_batch_samples() did not run this step.")
+        # Not engine.step_end.reduce_step_loss: these losses come weighted already (summed in the model's dtype);
+        # weighting them again by B / W and dividing by B moves the last bit of about one loss in nine.
         loss = torch.as_tensor(self._loss, dtype=torch.float64).detach().reshape(1).cpu()
         if self.world_size > 1:
             loss = bpdist.all_reduce_sum(loss)
@@ -174,19 +183,19 @@ class HFRun:
         ends exactly there; the controller keeps seeing (and the checkpoint keeps) its own decision.
         """
         epoch, offset, _ = self.loader.position()
-        current = self.decided if self.decided is not None else self.loader.batch_size
-        new = self.decided = self.driver.decide(
-            current, epoch=epoch, coverage=offset / self.loader.sampler.num_samples, stats=stats
+        global_batch_size = self.decided if self.decided is not None else self.loader.batch_size
+        decided = self.decided = self.driver.decide(
+            global_batch_size, epoch=epoch, coverage=offset / self.loader.sampler.num_samples, stats=stats
         )
         self.apply_size()
         if self.coupling is not None:
             self.coupling.scale(self.loader.next_step_size())
-        return new
+        return decided
 
     def apply_size(self) -> None:
         """Set the loader to the decided size, cut to the samples left before ``total_samples`` (call between
         steps; rewinds whatever was prefetched at another size)."""
-        size = self.decided if self.decided is not None else self.loader.batch_size
+        global_batch_size = self.decided if self.decided is not None else self.loader.batch_size
         total, sampler = self.total_samples, self.loader.sampler
         left = None if total is None else total - self.driver.samples_seen
         if total is not None and sampler.drop_last and total % sampler.num_samples == 0:
@@ -194,7 +203,7 @@ class HFRun:
             # the decided size (epochs_done() then ends the run). Cut to `left`, that tail would be trained as a
             # short step, or, when the look-ahead had dropped it already, the run would never count as finished.
             left = None
-        self.loader.set_batch_size(left if left is not None and 0 < left < size else size)
+        self.loader.set_batch_size(left if left is not None and 0 < left < global_batch_size else global_batch_size)
 
     # ------------------------------------------------------------------ LR coupling
     def start_coupling(self, optimizer: torch.optim.Optimizer) -> None:

@@ -1,10 +1,11 @@
-"""The Trainer callbacks of the Hugging Face integration.
+"""batchpilot's part of Trainer's loop and logs.
 
 - :class:`BatchpilotCallback`: batchpilot's part of each step, at the right moment of Trainer's loop:
   LR coupling around the scheduler, counting the step, the decision (rank 0, broadcast; a failing controller
   saves the finished step first), the stop after ``num_train_epochs`` passes, and stopping the dataloader
   workers at the end.
 - :class:`SampleProgressCallback`: the training progress bar counted in samples.
+- :func:`add_logs`: what a training log adds (coverage, global batch size, samples).
 """
 
 from __future__ import annotations
@@ -17,14 +18,25 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
+from .run import HFRun
+from .step import StepPasses
+
 logger = logging.getLogger("batchpilot")
 
 
 class BatchpilotCallback(TrainerCallback):
-    """Runs batchpilot's part of each step at the right moment of Trainer's loop."""
+    """Runs batchpilot's part of each step at the right moment of Trainer's loop.
 
-    def __init__(self, trainer: Any) -> None:
+    Args:
+        trainer: The trainer (its ``batchpilot`` run and ``optimizer``).
+        passes: Its :class:`StepPasses` (the step's gradient norm).
+        keep_finished_step: Called with the controller's error to save the finished step before it stops the run.
+    """
+
+    def __init__(self, trainer: Any, passes: StepPasses, keep_finished_step: Callable[[Exception], None]) -> None:
         self.trainer = trainer
+        self.passes = passes
+        self.keep_finished_step = keep_finished_step
 
     def on_train_begin(self, args, state, control, **kwargs):
         trainer, run = self.trainer, self.trainer.batchpilot
@@ -37,7 +49,7 @@ class BatchpilotCallback(TrainerCallback):
             )
         run.apply_size()  # a first step beyond num_train_epochs gets only the samples left
         run.start_coupling(trainer.optimizer)
-        trainer._bp_seen_at_start = run.samples_seen
+        run.samples_at_start = run.samples_seen
         state.epoch = run.virtual_epoch
         run.driver.start_clock()
 
@@ -47,20 +59,20 @@ class BatchpilotCallback(TrainerCallback):
             run.unscale_lr()  # the LR scheduler steps on the schedule's own LR
 
     def on_step_end(self, args, state, control, **kwargs):
-        trainer, run = self.trainer, self.trainer.batchpilot
+        run = self.trainer.batchpilot
         if run is None:
             return
         loss = run.end_step()
         state.epoch = run.virtual_epoch  # logged as `epoch`: passes over the data by samples (seed 003)
         stats = {} if run.stats is None else run.stats.end_step(run.driver.step, loss, run.max_micro_batch_size)
-        if trainer._bp_grad_norm is not None:
-            stats["grad/norm"] = trainer._bp_grad_norm
+        if self.passes.grad_norm is not None:
+            stats["grad/norm"] = self.passes.grad_norm
         try:
             run.decide(stats)
         except Exception as error:  # every rank gets here (the others learn of rank 0's failure)
-            trainer._bp_keep_finished_step(error)
+            self.keep_finished_step(error)
             raise
-        if trainer._bp_finished(run) and not control.should_training_stop:
+        if run.finished(args.num_train_epochs) and not control.should_training_stop:
             # num_train_epochs reached (all samples, or all but a tail drop_last drops): stop as Trainer does
             # at max_steps, with the final save/eval of a steps strategy.
             control.should_training_stop = True
@@ -113,3 +125,20 @@ class SampleProgressCallback(ProgressCallback):
             self.training_bar.set_postfix(step=state.global_step, batch_size=run.batch_size, refresh=False)
         self._seen = run.samples_seen
         self.current_step = state.global_step
+
+
+def add_logs(logs: dict[str, float], run: HFRun | None) -> None:
+    """Add ``train_coverage``, ``batch_size`` and ``samples_seen`` to a training log (``epoch`` is already the
+    coverage-based one), and count train speed in real samples."""
+    if run is not None and "loss" in logs:
+        logs["train_coverage"] = round(run.coverage, 6)
+        logs["batch_size"] = run.last_step.global_size if run.last_step is not None else run.batch_size
+        logs["samples_seen"] = run.samples_seen
+        if run.coupling is not None:
+            logs["lr_factor"] = run.step_lr_factor  # of the last step (logged learning_rate is unscaled)
+        noise = None if run.stats is None else run.stats.stats.get("stats/noise_scale")
+        if noise is not None:
+            logs["noise_scale"] = round(noise, 3)  # B_simple (McCandlish et al. 2018), samples
+    if run is not None and "train_runtime" in logs and logs["train_runtime"] > 0:
+        seen = run.samples_seen - run.samples_at_start
+        logs["train_samples_per_second"] = round(seen / logs["train_runtime"], 3)
