@@ -70,7 +70,7 @@ class StepStats:
         self._params_of = params_of
         self.meter = StepMeter(device=params[0].device if params else None)  # CUDA: micro-batches timed by events
         self._hooked_to: Any = None  # the DDP model whose communication hook feeds this probe
-        self._step, self._global = 0, 0
+        self._step, self._global_batch_size = 0, 0
         self._started = 0.0
         self._stats: dict[str, float] = {}
 
@@ -98,10 +98,10 @@ class StepStats:
             logger.warning("the DDP model already has a communication hook: the last micro-batch of each rank is "
                            "not measured, so the noise scale rests on the other micro-batches (see docs/statistics.md)")
 
-    def begin_step(self, step: int, global_size: int, population: int | None = None) -> None:
-        """Step ``step`` (counting from 0) of ``global_size`` samples starts; its samples are drawn without
+    def begin_step(self, step: int, global_batch_size: int, population: int | None = None) -> None:
+        """Step ``step`` (counting from 0) of ``global_batch_size`` samples starts; its samples are drawn without
         replacement from ``population`` (the dataset's size; ``None``: leave it as it was)."""
-        self._step, self._global = step, global_size
+        self._step, self._global_batch_size = step, global_batch_size
         if population is not None:
             self.probe.population = population
         self._started = time.perf_counter()
@@ -112,7 +112,7 @@ class StepStats:
     def restart_step(self) -> None:
         """The step in flight runs again from its first micro-batch: forget what it measured so far."""
         self.meter.discard_step()
-        self.begin_step(self._step, self._global)
+        self.begin_step(self._step, self._global_batch_size)
 
     def begin_micro(self) -> None:
         """A forward/backward starts (timed for the throughput model)."""
@@ -149,7 +149,7 @@ class StepStats:
                 # The trainable set changed inside the step (a callback's on_step_begin, say): the two norms
                 # cover different parameters, so this measurement is left out (every rank still reduces).
                 sq = float("nan")
-            self.probe.end_step(self._global, sq, bpdist.all_reduce_sum if self.world_size > 1 else None)
+            self.probe.end_step(self._global_batch_size, sq, bpdist.all_reduce_sum if self.world_size > 1 else None)
 
     def end_step(self, step: int, loss: float | None, max_micro_batch_size: int | None = None) -> dict[str, float]:
         """Step ``step`` (its mean loss ``loss``) is done: fold it into the meters; return every statistic.

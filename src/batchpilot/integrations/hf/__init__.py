@@ -13,7 +13,8 @@ Sizes are *global*: samples per optimizer step over all ranks. The first step ha
 ``per_device_train_batch_size * world_size * gradient_accumulation_steps`` samples; after every step rank 0
 asks the scheduler (or any batchpilot controller) for the next size and every rank applies the broadcast
 value. Each rank runs exactly ``gradient_accumulation_steps`` micro-batches per step, so the per-device
-micro-batch is ``size / (world_size * gradient_accumulation_steps)`` (shares differ by at most one sample).
+micro-batch is ``global_batch_size / (world_size * gradient_accumulation_steps)`` (shares differ by at most one
+sample).
 
 How it fits the Trainer (transformers 5.x, accelerate 1.x), and where each part lives:
 

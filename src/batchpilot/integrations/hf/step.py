@@ -133,7 +133,7 @@ class StepPasses:
         max_rows = run.max_micro_batch_size
         rows = split_rows(inputs, None)[0][1]
         if stats is not None and stats.measuring and self.split_measured and rows >= 2:
-            max_rows = min(max_rows or rows, -(-rows // 2))  # the step's only micro-batch: two passes, two small batches
+            max_rows = min(max_rows or rows, -(-rows // 2))  # the step's only micro-batch: two passes, two small ones
         pieces = split_rows(inputs, max_rows)
         loss: torch.Tensor | None = None
         for i, (part, n) in enumerate(pieces):

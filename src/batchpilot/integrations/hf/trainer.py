@@ -14,7 +14,7 @@ from transformers import Trainer
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import SaveStrategy
 
-from ...controllers.base import needs_gradient_stats
+from ...controllers.boundary import needs_gradient_stats
 from ...engine.driver import SizeDriver
 from ...engine.replay import keep_finished_step
 from ...lr import lr_factor
@@ -60,7 +60,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
             step (or their passes) and the ranks, at no extra computation; on one process with
             ``gradient_accumulation_steps=1`` a measured step's micro-batch runs as two passes. The statistics
             reach the scheduler in ``Observation.stats`` (``stats/*``, ``perf/*``).
-        max_micro_batch_size: Most rows per forward/backward on a device. A micro-batch (``size / (world_size x
+        max_micro_batch_size: Most rows per forward/backward on a device. A micro-batch (``global_batch_size / (world_size x
             gradient_accumulation_steps)`` rows, growing with the batch) with more rows runs as several
             passes of at most this many, accumulated without DDP communication, so memory stays bounded
             while the scheduler grows the batch. Needs batches that are dicts or tuples of batch-first
@@ -79,7 +79,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
     Raises:
         ValueError: a training argument this trainer cannot honour (the message names it and the fix), or
             ``oom_recovery=True`` with several processes.
-        TypeError: ``oom_recovery`` is not a bool.
+        TypeError: ``oom_recovery`` is not a bool, or a model was passed as ``batch_size_scheduler``.
     """
 
     def __init__(
@@ -187,8 +187,10 @@ class AdaptiveBatchSizeTrainer(Trainer):
         )
         run.driver.min_useful = world_size * args.gradient_accumulation_steps
         if self._bp_measure:
-            run.stats = step_stats(self.model, world_size=world_size, accumulation_steps=args.gradient_accumulation_steps,
-                                   every=self._bp_noise_every, splits_measured_steps=self._bp_passes.split_measured)
+            run.stats = step_stats(
+                self.model, world_size=world_size, accumulation_steps=args.gradient_accumulation_steps,
+                every=self._bp_noise_every, splits_measured_steps=self._bp_passes.split_measured,
+            )
         if self._bp_resume is not None:
             run.load_state_dict(read_state(self._bp_resume))
         self.batchpilot = run
