@@ -1,4 +1,4 @@
-"""Tiny models, datasets and controllers shared by tests/test_hf.py and the torchrun script _hf_ddp.py.
+"""Tiny models, datasets and controllers shared by the HF and Lightning tests and the torchrun scripts.
 
 Nothing here downloads anything: models are built from configs, text is generated from a hand-made vocabulary.
 """

@@ -11,7 +11,7 @@ first attempt; every attempt resumes from the newest checkpoint in OUT_DIR/ckpt 
 backend aot_eager); ``--max-micro N`` passes ``max_micro_batch_size=N``; ``--oom-recovery`` passes
 ``oom_recovery=True`` (refused with more than one process).
 Set BATCHPILOT_INIT_TORCHRUN=1 to create the process group with batchpilot's init_torchrun (safe across
-torchrun restarts with gloo) before accelerate. Used by tests/test_hf.py.
+torchrun restarts with gloo) before accelerate. Used by tests/integrations/test_hf_distributed.py.
 """
 
 from __future__ import annotations
