@@ -6,7 +6,7 @@ batch sizes); controllers live in :mod:`batchpilot.controllers`, LR rules in :mo
 """
 
 from . import controllers, lr
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_checkpoint, save_checkpoint
 from .controllers.base import Controller, Observation
 from .data.loader import AdaptiveDataLoader, MicroBatch
 from .data.sampler import AdaptiveBatchSampler
@@ -27,6 +27,7 @@ __all__ = [
     "latest_checkpoint",
     "load_checkpoint",
     "lr",
+    "read_checkpoint",
     "read_log",
     "save_checkpoint",
 ]

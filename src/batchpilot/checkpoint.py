@@ -89,8 +89,9 @@ def _failed_crc(path: Path) -> str | None:
         return None  # not a readable zip: torch.load says why
 
 
-def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a checkpoint written by :func:`save_checkpoint` and return its state.
+def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a checkpoint written by :func:`save_checkpoint` and return its state (a dict; to restore a run from
+    it use :meth:`Pilot.load_checkpoint`).
 
     Raises:
         CheckpointError: the file does not exist, is truncated or corrupt, or is not a batchpilot file.
@@ -127,6 +128,14 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return payload["state"]
 
 
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Deprecated name of :func:`read_checkpoint` (it returns a state; :meth:`Pilot.load_checkpoint` restores)."""
+    warnings.warn("batchpilot.load_checkpoint(path) is deprecated: it returns a state dict, while "
+                  "Pilot.load_checkpoint(path) restores a run; use batchpilot.read_checkpoint(path), the same function.",
+                  DeprecationWarning, stacklevel=2)
+    return read_checkpoint(path)
+
+
 def checkpoint_path(directory: str | os.PathLike, step: int) -> Path:
     """The file name used for the checkpoint of ``step`` in ``directory``."""
     return Path(directory) / f"step-{step:09d}.pt"
@@ -159,7 +168,7 @@ def load_latest_checkpoint(directory: str | os.PathLike) -> tuple[Path, dict[str
     failures: list[str] = []
     for path in reversed(list_checkpoints(directory)):
         try:
-            state = load_checkpoint(path)
+            state = read_checkpoint(path)
         except CheckpointError as exc:
             failures.append(str(exc))
             continue

@@ -23,6 +23,7 @@ follows a noise scale that grows during training equally fast.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -30,12 +31,16 @@ from typing import Any
 
 import torch
 
+from ._extras import install_hint
 from ._validation import check_positive_int
 from .clipping import sum_of_squares
+from .controllers.boundary import controller_name
 from .stats.loss_trend import LossTrend
 from .stats.noise_scale import NoiseScaleEstimator
 from .stats.system import SystemMonitor
 from .stats.throughput import ThroughputModel
+
+logger = logging.getLogger("batchpilot")
 
 DEFAULT_NOISE_EVERY = 16
 """Measurement period of the gradient noise scale when a controller needs it and the user did not say."""
@@ -63,14 +68,14 @@ class GradientNoiseProbe:
             ranks, no DDP): the ranks are the small batches, so a measured step is never split.
         population: The dataset's size: steps are drawn from it without replacement, and the estimate is
             corrected for that (see :func:`~batchpilot.stats.two_batch_estimates`); ``None``: no correction.
-            The attribute may be set between steps (a dataset reloaded with another size).
+            :attr:`population` may be set between steps (a dataset reloaded with another size).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], every: int = DEFAULT_NOISE_EVERY,
                  ema_decay: float | None = None, ranks_are_small_batches: bool = False,
                  population: int | None = None) -> None:
         self.params = params
-        self.population = population
+        self.population = population  # checked by the property
         self.every = every
         self._split = not ranks_are_small_batches
         if ema_decay is None:
@@ -84,6 +89,25 @@ class GradientNoiseProbe:
         # Last micro-batch's local |increment|^2, seen by the DDP hook (a device tensor on a GPU).
         self._hook_sq: float | torch.Tensor | None = None
         self.seconds = 0.0  # time spent measuring, for the overhead report
+
+    @property
+    def population(self) -> int | None:
+        """The dataset's size the estimate is corrected for (``None``: no correction); settable between steps.
+
+        Raises:
+            TypeError, ValueError: on setting anything but ``None`` or an int >= 1.
+        """
+        return self._population
+
+    @population.setter
+    def population(self, value: int | None) -> None:
+        self._population = None if value is None else check_positive_int(value, "population")
+
+    @property
+    def split_every(self) -> int | None:
+        """Split every ``split_every``-th step into at least two micro-batches, whose gradients are then the
+        small batches (``None``: never; the ranks are the small batches)."""
+        return self.every if self._split else None
 
     def set_params(self, params: list[torch.nn.Parameter]) -> None:
         """Measure ``params`` from the next step on (call between steps, when the trainable set changed: the
@@ -293,6 +317,24 @@ class StepMeter:
         self.timer = MicroTimer(device)
         self._micro_sizes: list[int] = []
         self._micro_seconds: list[float | tuple[Any, Any]] = []
+
+    def warn_unmeasured(self, controller: Any, on_gpu: bool) -> None:
+        """Warn when ``controller`` reads system load (``system/*`` in its ``required_stats``; GPU load only
+        ``on_gpu``) that is never measured: sampling is off, psutil is missing, or NVML is missing on a GPU."""
+        wanted = [k for k in getattr(controller, "required_stats", ())
+                  if k.startswith("system/") and (on_gpu or not k.startswith("system/gpu"))]
+        if not wanted:
+            return
+        name, monitor = controller_name(controller), self.monitor
+        if self.system_every is None:
+            logger.warning("%s reads %s, but system_every=None switches load sampling off: its rules on load never "
+                           "act; pass system_every=N (default 100).", name, ", ".join(wanted))
+        elif monitor is None:
+            logger.warning("%s reads %s, but psutil is not installed, so no load is measured and its rules on load "
+                           "never act; install it with: %s", name, ", ".join(wanted), install_hint("system"))
+        elif "system/gpu_util" in wanted and on_gpu and not monitor.has_nvml:
+            logger.warning("%s reads system/gpu_util, but nvidia-ml-py is not installed, so GPU utilisation is not "
+                           "measured; install it with: %s", name, install_hint("gpu"))
 
     def begin_micro(self) -> None:
         """A micro-batch's forward starts."""

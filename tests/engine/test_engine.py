@@ -950,7 +950,7 @@ def test_fp16_a_non_finite_loss_over_finite_gradients_is_skipped():
     # An inf added to the loss has no gradient: the GradScaler sees finite gradients and would step.
     pilot, records = fp16_run("fp16", 3, pilot_kw={}, inf_at=2)
     assert records[2]["train/skipped_steps"] == 1 and not math.isfinite(records[2]["loss"])
-    assert all(math.isfinite(v) for v in pilot._losses)  # controllers never see the inf
+    assert all(math.isfinite(v) for v in pilot.driver.losses)  # controllers never see the inf
     reference, _ = fp16_run(None, 2)
     assert all(torch.equal(a, b) for a, b in zip(reference.model.parameters(), pilot.model.parameters()))
     assert pilot.scaler.get_scale() == 2.0**16  # not an overflow of the scaled gradients: the scale stays

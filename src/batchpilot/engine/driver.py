@@ -1,8 +1,10 @@
-"""`SizeDriver`: the controller loop shared by the framework integrations.
+"""`SizeDriver`: the one decision path, shared by `Pilot` and the framework integrations.
 
-A framework owns the training loop; the driver only answers "what is the global batch size of the next
-step?" between two optimizer steps. Rank 0 asks the controller and every rank applies the broadcast value,
-so all ranks cut the same global batches. The driver never touches data or models.
+A training loop (the Pilot's, or a framework's) counts its steps here and asks, between two optimizer steps,
+"what is the global batch size of the next step?": the driver builds the :class:`Observation`, rank 0 asks the
+controller, :func:`validate_decision` checks and bounds the answer, and every rank receives the broadcast
+value, so all ranks cut the same global batches. The caller hands it to its loader. The driver never touches
+data or models.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import distributed as bpdist
 from .._validation import (
@@ -21,10 +23,30 @@ from .._validation import (
     check_choice,
     check_positive_int,
 )
-from ..controllers.base import Controller, Observation, as_controller, validate_decision
+from ..controllers.base import Controller, Observation
+from ..controllers.boundary import as_controller, controller_name, validate_decision
 
 _FORMAT = "batchpilot.integrations.SizeDriver"
 logger = logging.getLogger("batchpilot")
+
+
+class Decision(NamedTuple):
+    """One answer of the decision path: the next step's global batch size, who set it (``"user"`` for a
+    :meth:`SizeDriver.next_size` override, else the controller's name), and what was changed (``None``: used as is)."""
+
+    global_batch_size: int
+    source: str
+    note: str | None
+
+
+def observed_stats(record: Mapping[str, Any], *, world_size: int, max_micro_batch_size: int | None) -> dict[str, Any]:
+    """The ``stats`` a controller observes after a step: the step record's statistics (``stats/``, ``grad/``,
+    ``perf/``, ``system/``), the world size, and the micro-batch bound when there is one."""
+    stats = {k: v for k, v in record.items() if k.startswith(("stats/", "grad/", "perf/", "system/"))}
+    stats["dist/world_size"] = world_size
+    if max_micro_batch_size is not None:
+        stats["perf/max_micro_batch_size"] = max_micro_batch_size
+    return stats
 
 
 class SizeDriver:
@@ -40,6 +62,9 @@ class SizeDriver:
         loss_history: How many recent step losses an :class:`~batchpilot.Observation` carries.
         rank: This process's rank (only rank 0 calls the controller).
         names: How the integration calls the controller and the first size, for error messages.
+        world_size: Ranks the decision is broadcast to (``None``: the process group, if there is one; 1: none,
+            this process trains on its own).
+        label: How the other ranks' error names the controller that failed on rank 0.
 
     Raises:
         TypeError, ValueError: an argument is invalid (all problems in one message).
@@ -58,6 +83,8 @@ class SizeDriver:
         loss_history: int = 50,
         rank: int = 0,
         names: tuple[str, str] = ("batch_size_scheduler", "per_device_train_batch_size"),
+        world_size: int | None = None,
+        label: str = "batch size controller",
     ) -> None:
         problems = []
         for check in (
@@ -89,6 +116,7 @@ class SizeDriver:
         self.decide_every = decide_every
         self.on_invalid = on_invalid
         self.rank = rank
+        self.world_size, self.label = world_size, label
         self.step = 0
         self.samples_seen = 0
         self.losses: collections.deque[float] = collections.deque(maxlen=loss_history)
@@ -103,17 +131,26 @@ class SizeDriver:
         """Start timing the next step (call after anything that is not training, e.g. evaluation)."""
         self._clock = time.perf_counter()
 
-    def end_step(self, size: int, loss: float | None) -> None:
-        """Count a finished optimizer step of ``size`` samples (over all ranks) and its mean loss."""
+    def end_step(self, size: int, loss: float | None, *, finite_only: bool = True) -> float | None:
+        """Count a finished optimizer step of ``size`` samples (over all ranks) and its mean loss (``None``: none
+        to record; ``finite_only=False`` records a non-finite one too); return its seconds since the clock
+        started (``None`` without a clock)."""
         self.step += 1
         self.samples_seen += size
-        if loss is not None and math.isfinite(loss):
+        if loss is not None and (math.isfinite(loss) or not finite_only):
             self.losses.append(float(loss))
         now = time.perf_counter()
+        seconds = None if self._clock is None else now - self._clock
         if self._clock is not None and now > self._clock:
             rate = size / (now - self._clock)
             self.samples_per_s = rate if self.samples_per_s is None else 0.9 * self.samples_per_s + 0.1 * rate
         self._clock = now
+        return seconds
+
+    def restore_counters(self, step: int, samples_seen: int, losses: Any, samples_per_s: float | None) -> None:
+        """Set the counters to a saved run's (the controller's state is loaded on its own)."""
+        self.step, self.samples_seen, self.samples_per_s = step, samples_seen, samples_per_s
+        self.losses = collections.deque(losses, maxlen=self.losses.maxlen)
 
     # ------------------------------------------------------------------ decisions
     def decide(self, current: int, *, epoch: int, coverage: float, stats: Mapping[str, float] | None = None) -> int:
@@ -125,36 +162,57 @@ class SizeDriver:
             InvalidDecisionError: the controller returned an unusable size and ``on_invalid="raise"``.
             RuntimeError: rank 0's controller failed (raised on the other ranks).
         """
-        if self.controller is None or self.step % self.decide_every != 0:
-            return current
+        decided = self.next_size(current, epoch=epoch, coverage=coverage, stats=stats)
+        return current if decided is None else decided.global_batch_size
+
+    def next_size(self, current: int, *, epoch: int, coverage: float, stats: Mapping[str, float] | None = None,
+                  override: int | None = None,
+                  on_failure: Callable[[BaseException], None] | None = None) -> Decision | None:
+        """The next step's :class:`Decision`, or ``None`` when nothing decides after this step.
+
+        ``override`` (a size the user set during the step) replaces the controller's answer; it is bounded like
+        one, and broadcast only when the controller is due (rank 0's then wins). ``on_failure(error)`` runs on
+        every rank before the controller's failure is raised (e.g. to save the finished step).
+
+        Raises:
+            InvalidDecisionError: the controller returned an unusable size and ``on_invalid="raise"``.
+            RuntimeError: rank 0's controller failed (raised on the other ranks).
+        """
+        due = self.controller is not None and self.step % self.decide_every == 0
+        if override is None and not due:
+            return None
+        source = "user" if override is not None else controller_name(self.controller)
         new, note = current, None
-        if self.rank == 0:
-            obs = Observation(
-                step=self.step,
-                samples_seen=self.samples_seen,
-                epoch=epoch,
-                coverage=coverage,
-                batch_size=current,
-                num_samples=self.num_samples,
-                losses=tuple(self.losses),
-                samples_per_s=self.samples_per_s,
-                stats=dict(stats or {}),
-            )
+        if self.rank == 0 or not due:
             try:
-                new, note = validate_decision(
-                    self.controller.decide(obs),
-                    current=current,
-                    min_size=self.min_batch_size,
-                    max_size=self.max_batch_size,
-                    on_invalid=self.on_invalid,
-                    source=getattr(self.controller, "name", None) or type(self.controller).__name__,
-                )
-            except Exception:
-                bpdist.broadcast_int(-1)  # the other ranks wait in the broadcast: tell them to stop too
+                if override is not None:
+                    new, note = validate_decision(override, current=current, min_size=self.min_batch_size,
+                                                  max_size=self.max_batch_size, source="set_batch_size()")
+                    note = note or "set_batch_size() override"
+                else:
+                    assert self.controller is not None  # due
+                    new, note = validate_decision(
+                        self.controller.decide(self.observation(current, epoch=epoch, coverage=coverage,
+                                                                stats=stats)),
+                        current=current,
+                        min_size=self.min_batch_size,
+                        max_size=self.max_batch_size,
+                        on_invalid=self.on_invalid,
+                        source=source,
+                    )
+            except Exception as exc:
+                if due:
+                    self._broadcast(-1)  # the other ranks wait in the broadcast: tell them to stop too
+                    if on_failure is not None:
+                        on_failure(exc)
                 raise
-        new = bpdist.broadcast_int(new)
-        if new < 1:
-            raise RuntimeError("rank 0's batch size controller failed (see rank 0's error); stopping this rank too.")
+        if due:
+            new = self._broadcast(new)
+            if new < 1:
+                error = RuntimeError(f"rank 0's {self.label} failed (see rank 0's error); stopping this rank too.")
+                if on_failure is not None:
+                    on_failure(error)
+                raise error
         if new < self.min_useful and not self._warned_small:
             self._warned_small = True
             logger.warning(
@@ -166,7 +224,26 @@ class SizeDriver:
             self.last_decision = {
                 "step": self.step, "samples_seen": self.samples_seen, "old_size": current, "new_size": new, "note": note,
             }
-        return new
+        return Decision(new, source, note)
+
+    def observation(self, current: int, *, epoch: int, coverage: float,
+                    stats: Mapping[str, float] | None = None) -> Observation:
+        """What the controller sees after the current step, at global batch size ``current``."""
+        return Observation(
+            step=self.step,
+            samples_seen=self.samples_seen,
+            epoch=epoch,
+            coverage=coverage,
+            batch_size=current,
+            num_samples=self.num_samples,
+            losses=tuple(self.losses),
+            samples_per_s=self.samples_per_s,
+            stats=dict(stats or {}),
+        )
+
+    def _broadcast(self, value: int) -> int:
+        """Rank 0's ``value`` on every rank (no collective when this process trains on its own)."""
+        return value if self.world_size == 1 else bpdist.broadcast_int(value)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,230 @@
+"""A `Pilot` state in and out of checkpoints: where files go, whether a state fits, and what a load keeps.
+
+A state saved by another run (another model, optimizer, data order, schedulers, controller) is refused as a
+whole before anything changes; every problem is listed at once.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .. import distributed as bpdist
+from ..checkpoint import (
+    CheckpointError,
+    checkpoint_path,
+    class_name,
+    fit_problems,
+    load_latest_checkpoint,
+    read_checkpoint,
+)
+from ..controllers.boundary import validate_decision
+from ..data.loader import AdaptiveDataLoader
+from ..logs import AdjustmentLog
+from ..measure import GradientNoiseProbe
+
+logger = logging.getLogger("batchpilot")
+
+_STATE_KEYS = ("pilot", "model", "optimizer", "loader", "lr_schedulers", "rng", "log_position")
+_PILOT_KEYS = ("step", "samples_seen", "skipped_steps", "losses", "throughput")
+
+
+def checkpoint_file(path: str | os.PathLike | None, checkpoint_dir: str | os.PathLike | None, step: int) -> Path:
+    """Where :meth:`Pilot.save_checkpoint` writes: ``path``, or ``step-<step>.pt`` in ``path`` when it is a folder
+    (one that exists, or a string ending in a separator; ``pathlib`` drops a trailing one) or in ``checkpoint_dir``
+    when ``path`` is ``None``."""
+    if path is None:
+        if checkpoint_dir is None:
+            raise ValueError("save_checkpoint() needs a path, or a Pilot built with checkpoint_dir=...")
+        return checkpoint_path(checkpoint_dir, step)
+    if Path(path).is_dir() or str(path).endswith((os.sep, "/")):
+        return checkpoint_path(path, step)
+    return Path(path)
+
+
+def find_checkpoint(path: str | os.PathLike, missing_ok: bool) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint file ``path`` and its state, or the newest loadable one in the folder ``path`` (``None``:
+    the folder holds none and ``missing_ok``).
+
+    Raises:
+        CheckpointError: see :meth:`Pilot.load_checkpoint`.
+    """
+    path = Path(path)
+    if path.is_dir() or (missing_ok and not path.exists()):
+        found = load_latest_checkpoint(path)  # the newest file that loads, read once; raises if none does
+        if found is None and not missing_ok:
+            raise CheckpointError(f"no checkpoint in {str(path)!r} (no step-*.pt files); pass missing_ok=True "
+                                  "to start from step 0 when there is none.")
+        return found
+    return path, read_checkpoint(path)
+
+
+def state_shape_problem(state: Any) -> str | None:
+    """Why ``state`` is not a :meth:`Pilot.state_dict` at all (``None``: it has the keys one has)."""
+    if not isinstance(state, dict):
+        return (f"a Pilot state is a dict from Pilot.state_dict(), got {type(state).__name__}; "
+                "pass what Pilot.state_dict() returned (or use load_checkpoint(path)).")
+    missing = [k for k in _STATE_KEYS if k not in state]
+    pilot = state.get("pilot")
+    missing += [f"pilot.{k}" for k in _PILOT_KEYS if isinstance(pilot, dict) and k not in pilot]
+    if missing or not isinstance(pilot, dict):
+        return (f"this is not a Pilot state (it lacks {', '.join(missing) or 'a pilot dict'}; keys: "
+                f"{sorted(map(str, state))[:8]}); pass what Pilot.state_dict() returned, not a model's or "
+                "optimizer's state_dict.")
+    return None
+
+
+def check_fit(state: Any, *, components: dict[str, Any], schedulers: list[Any], loader: AdaptiveDataLoader,
+              log: AdjustmentLog | None, world_size: int) -> None:
+    """Refuse a state that does not fit (every rank calls this: the ranks agree), then warn about features
+    the two runs do not share.
+
+    Raises:
+        CheckpointError: ``state`` is no Pilot state, or does not fit (every problem listed).
+    """
+    shape = state_shape_problem(state)
+    if shape is not None:
+        raise CheckpointError(shape)
+    problems = load_problems(state, components=components, schedulers=schedulers, loader=loader, log=log)
+    if world_size > 1 and bpdist.all_reduce_min_int(0 if problems else 1) == 0 and not problems:
+        problems.append("another rank refused it (rank 0 checks the adjustment log; see its error)")
+    if problems:
+        raise CheckpointError("the checkpoint does not fit this Pilot (nothing was loaded):\n  - "
+                              + "\n  - ".join(problems))
+    warn_about_features(state, components)
+
+
+def load_problems(state: dict[str, Any], *, components: dict[str, Any], schedulers: list[Any],
+                  loader: AdaptiveDataLoader, log: AdjustmentLog | None) -> list[str]:
+    """Why ``state`` does not fit a Pilot with these parts (empty: it fits): the model, optimizer and data order
+    (:func:`~batchpilot.checkpoint.fit_problems`), the adjustment log, the LR schedulers, and the controller's
+    and the LR rules' states, loaded into copies first."""
+    model, optimizer = components["model"], components["optimizer"]
+    problems = fit_problems(state, model=model, optimizer=optimizer, sampler=loader.sampler)
+    if log is not None and state["log_position"] is not None:
+        problem = log.resume_problem(state["log_position"])
+        if problem is not None:
+            problems.append(problem)
+    shared = {id(optimizer): optimizer, id(model): model}
+    problems += _scheduler_problems(state, schedulers, shared)
+    for key in ("controller", "coupling", "adascale"):  # one saved by another controller (or AdaScale's B0)
+        obj = components[key]
+        if obj is None or state.get(key) is None:
+            continue
+        failure = _trial_load(obj, state[key], shared)
+        if failure is not None:
+            problems.append(f"its {key} state does not load into this Pilot's {type(obj).__name__} ({failure})")
+    return problems
+
+
+def _scheduler_problems(state: dict[str, Any], here: list[Any], shared: dict[int, Any]) -> list[str]:
+    """Why the checkpoint's LR scheduler states do not fit these schedulers (empty: they do): another
+    number or class (recorded since this check exists), or a state that does not load into a copy."""
+    saved = state["lr_schedulers"]
+    if len(saved) != len(here):
+        return [f"the checkpoint has {len(saved)} LR schedulers but this Pilot has {len(here)}; build the "
+                "Pilot with the same lr_schedulers."]
+    classes = state["pilot"].get("lr_scheduler_classes")
+    names = [class_name(s) for s in here]
+    if classes is not None and list(classes) != names:
+        return [f"the checkpoint's LR schedulers are {list(classes)}, this Pilot's {names}; build the Pilot "
+                "with the same lr_schedulers, in the same order."]
+    problems = []
+    for i, (scheduler, s) in enumerate(zip(here, saved)):
+        # torch's schedulers take any dict (__dict__.update): the keys this scheduler saves must be there.
+        missing = sorted(k for k in scheduler.state_dict() if k not in s)
+        if missing:
+            problems.append(f"LR scheduler {i} ({names[i]}): the checkpoint's state lacks {missing}; build the "
+                            "Pilot with the schedulers of the run that saved it.")
+            continue
+        failure = _trial_load(scheduler, s, shared)
+        if failure is not None:
+            problems.append(f"LR scheduler {i} ({names[i]}) does not load its state ({failure})")
+    return problems
+
+
+def _trial_load(obj: Any, state: Any, shared: dict[int, Any]) -> str | None:
+    """Load ``state`` into a copy of ``obj``; ``"Type: message"`` if that fails, else ``None`` (also when
+    ``obj`` cannot be copied: it is then loaded for real only). The copy shares the ``shared`` objects (the
+    optimizer and the model: their states are not what is tried here; a bound method's owner may hold them),
+    and it gets a copy of ``state``: some loaders pop keys from the dict they load (CyclicLR), and the real
+    load needs it whole."""
+    try:
+        trial = copy.deepcopy(obj, dict(shared))
+    except Exception:
+        return None
+    try:
+        trial.load_state_dict(copy.deepcopy(state))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def warn_about_features(state: dict[str, Any], components: dict[str, Any]) -> None:
+    """Warn when the checkpoint's run had a feature this Pilot lacks, or the other way round (fp16 loss
+    scaling, AdaScale, statistics-based clipping): the resumed run then trains differently."""
+    for key, what in (("scaler", "amp='fp16' (a GradScaler)"), ("adascale", "lr_rule='adascale'"),
+                      ("stats_clip", "grad_clip='stats'")):
+        saved, here = state.get(key) is not None, components[key] is not None
+        if saved != here:
+            logger.warning("the checkpoint was saved %s %s, this Pilot runs %s it; the resumed run trains "
+                           "differently from the one that saved it", "with" if saved else "without", what,
+                           "with" if here else "without")
+
+
+def load_parts(state: dict[str, Any], components: dict[str, Any], schedulers: list[Any]) -> None:
+    """Load every part's state (in the order of ``components``), then the LR schedulers'."""
+    for key, obj in components.items():
+        if obj is not None and state.get(key) is not None:
+            obj.load_state_dict(state[key])
+    for scheduler, s in zip(schedulers, state["lr_schedulers"]):
+        scheduler.load_state_dict(s)
+
+
+def partly_loaded(exc: Exception) -> CheckpointError:
+    """The error for a state that passed every check but failed while loading (a damaged state)."""
+    return CheckpointError(
+        f"the checkpoint passed every check but failed while loading ({type(exc).__name__}: {exc}); this "
+        "Pilot is now partly loaded: build it again and load an earlier checkpoint."
+    )
+
+
+def keep_own_settings(loader: AdaptiveDataLoader, noise: GradientNoiseProbe | None, *, drop_last: bool,
+                      max_micro_batch_size: int | None, noise_every: int | None, min_batch_size: int | None,
+                      max_batch_size: int | None, log_clamp: Callable[[int, int, str], None]) -> None:
+    """After loading: ``drop_last`` and the batch size bounds are this Pilot's (a clamped size is passed to
+    ``log_clamp(old, new, note)``), the micro-batch bound the smaller of this Pilot's and the checkpoint's
+    (which out-of-memory recovery may have lowered), and the noise-scale period the checkpoint's (its
+    estimate's smoothing was built for it); a change is logged."""
+    sampler, micro = loader.sampler, max_micro_batch_size
+    if noise is not None and noise_every is not None and noise.every != noise_every:
+        logger.warning("this Pilot has noise_every=%d, but the checkpoint's run measured the noise scale every %d "
+                       "steps; continuing with %d, so its estimate goes on as it was saved",
+                       noise_every, noise.every, noise.every)
+    global_batch_size = loader.batch_size
+    new, note = validate_decision(global_batch_size, current=global_batch_size, min_size=min_batch_size,
+                                  max_size=max_batch_size, source="the checkpoint's batch size")
+    if new != global_batch_size:
+        logger.warning("the checkpoint's batch size %d lies outside this Pilot's [min_batch_size=%s, "
+                       "max_batch_size=%s]; continuing with %d", global_batch_size, min_batch_size, max_batch_size,
+                       new)
+        log_clamp(global_batch_size, new, note or "clamped to the bounds after loading")
+        loader.set_batch_size(new)
+    if sampler.drop_last != drop_last:
+        logger.warning("the checkpoint was saved with drop_last=%s; continuing with this Pilot's drop_last=%s",
+                       sampler.drop_last, drop_last)
+        sampler.drop_last = drop_last
+    saved = loader.max_micro_batch_size
+    bounds = [b for b in (micro, saved) if b is not None]
+    bound = min(bounds) if bounds else None
+    if bound != saved:
+        logger.warning("the checkpoint's max_micro_batch_size is %s; continuing with this Pilot's %s", saved, bound)
+    elif bound != micro:
+        logger.warning("max_micro_batch_size=%s, but the checkpoint's run had lowered it to %s (after running "
+                       "out of memory); continuing with %s", micro, saved, bound)
+    loader.max_micro_batch_size = bound
+
