@@ -249,6 +249,24 @@ class GradientNoiseProbe:
         self.every = every
 
 
+def engine_probe(params: list[torch.nn.Parameter], every: int | None, *, needed: bool, ranks_are_small_batches: bool,
+                 population: int, ddp_model: Any = None) -> GradientNoiseProbe | None:
+    """The engine's probe, measuring every ``every`` steps (``None``: every ``DEFAULT_NOISE_EVERY`` when
+    ``needed``, else no probe), hooked into ``ddp_model``'s all-reduce when one is given (see
+    :meth:`GradientNoiseProbe.attach_ddp`). ``population``: the dataset's size (an epoch draws without
+    replacement)."""
+    if every is None and needed:
+        every = DEFAULT_NOISE_EVERY
+    if not every:
+        return None
+    probe = GradientNoiseProbe(params, every=every, ranks_are_small_batches=ranks_are_small_batches,
+                               population=population)
+    if ddp_model is not None and not probe.attach_ddp(ddp_model):
+        logger.info("the DDP model already has a communication hook: measured steps are split in two "
+                    "to measure the gradient noise scale (see docs/statistics.md)")
+    return probe
+
+
 class MicroTimer:
     """Times one micro-batch's forward and backward for the throughput model (Pollux's ``T_grad``).
 

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from typing_extensions import TypedDict
 
-from .. import distributed as bpdist
 from .._validation import (
     check_batch_size,
     check_bool,
@@ -346,42 +345,3 @@ def _check_grad_clip(value: Any) -> None:
             or not math.isfinite(float(value)):
         raise ValueError(f"grad_clip must be None, a positive finite max-norm or 'stats'; got {value!r}.")
 
-
-def resolve_world(distributed: DistributedConfig, ddp_model: Any) -> tuple[int, int]:
-    """``(rank, world_size)`` from the settings and the process group, checked against a DDP wrapper's group.
-
-    Raises:
-        ValueError: several ranks without a process group, ranks that disagree with it, or a DDP model whose
-            group is not the one the batch is shared over.
-    """
-    rank, world_size = bpdist.rank_and_world(distributed.rank, distributed.world_size)
-    if world_size > 1 and not bpdist.is_distributed():
-        raise ValueError(
-            f"world_size={world_size} but torch.distributed is not initialised; call "
-            "torch.distributed.init_process_group first (torchrun sets it up), or use world_size=1."
-        )
-    group = bpdist.rank_and_world()
-    if world_size > 1 and (rank, world_size) != group:
-        raise ValueError(
-            f"rank={rank}, world_size={world_size} disagree with the process group (rank {group[0]} "
-            f"of {group[1]}); leave them None to train over the group, or pass world_size=1 to train this "
-            "rank on its own."
-        )
-    if ddp_model is None:  # a DDP model exists only with a process group
-        return rank, world_size
-    ddp_size = bpdist.group_size(getattr(ddp_model, "process_group", None))
-    if world_size == 1 and ddp_size > 1:
-        raise ValueError(
-            f"world_size=1 trains this rank on its own, but the DDP model all-reduces every backward over "
-            f"{ddp_size} ranks (they would average weights while deciding sizes apart, and hang when their "
-            "step counts differ); pass the bare model (ddp_model.module) with world_size=1, or leave "
-            "world_size None to train over the group."
-        )
-    if ddp_size != world_size:
-        raise ValueError(
-            f"the DDP model averages over a process group of {ddp_size} ranks, but the batch is shared over "
-            f"all {world_size}; batchpilot shares data, weights losses and decides over the default "
-            "group, so wrap the model with DDP over the default group (hybrid parallelism with a data-"
-            "parallel subgroup is not supported)."
-        )
-    return rank, world_size

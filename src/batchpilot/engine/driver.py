@@ -25,6 +25,7 @@ from .._validation import (
 )
 from ..controllers.base import Controller, Observation
 from ..controllers.boundary import as_controller, controller_name, validate_decision
+from ..data.loader import AdaptiveDataLoader
 
 _FORMAT = "batchpilot.integrations.SizeDriver"
 logger = logging.getLogger("batchpilot")
@@ -272,3 +273,69 @@ class SizeDriver:
         self.samples_per_s = state["samples_per_s"]
         if self.controller is not None and state["controller"] is not None:
             self.controller.load_state_dict(state["controller"])
+
+
+class Decisions:
+    """A `Pilot`'s end of the decision path: the sizes it trains, set on its loader and logged.
+
+    After each step the driver decides (a ``set_batch_size()`` made during the step overrides the
+    controller); between steps a ``set_batch_size()`` applies at once. Every change goes to the adjustment log
+    with the controller's reason and the step's inputs.
+
+    Args:
+        log: Writes a decision record (the adjustment log).
+        on_failure: Runs on every rank before a failed decision is raised (see :meth:`SizeDriver.next_size`).
+    """
+
+    def __init__(self, driver: SizeDriver, loader: AdaptiveDataLoader, *, log: Callable[[dict[str, Any]], None],
+                 on_failure: Callable[[BaseException], None]) -> None:
+        self.driver, self.loader, self.log, self.on_failure = driver, loader, log, on_failure
+        self.override: int | None = None  # a set_batch_size() made inside the step
+        self.last_decision: dict[str, Any] | None = None
+
+    def after_step(self, record: dict[str, Any]) -> None:
+        """Set the next step's size: the override made inside the step, else the controller's when due."""
+        current, driver = self.loader.batch_size, self.driver
+        override, self.override = self.override, None
+        stats = observed_stats(record, world_size=driver.world_size or 1,
+                               max_micro_batch_size=self.loader.max_micro_batch_size)
+        decided = driver.next_size(current, epoch=record["epoch"], coverage=record["coverage"], stats=stats,
+                                   override=override, on_failure=self.on_failure)
+        if decided is not None:
+            self.record(current, decided.global_batch_size, decided.source, decided.note, record)
+            self.loader.set_batch_size(decided.global_batch_size)
+
+    def set_between_steps(self, global_batch_size: int, record: dict[str, Any]) -> None:
+        """Apply a ``set_batch_size()`` made between steps, bounded like a decision (it replaces an override made
+        in a step the loop left unfinished)."""
+        self.override = None
+        current = self.loader.batch_size
+        new, note = validate_decision(global_batch_size, current=current, min_size=self.driver.min_batch_size,
+                                      max_size=self.driver.max_batch_size, source="set_batch_size()")
+        self.record(current, new, "user", note, record)
+        self.loader.set_batch_size(new)
+
+    def record(self, current: int, new: int, source: str, note: str | None, record: dict[str, Any]) -> None:
+        """Log a change from ``current`` to ``new`` (or a note on keeping it) after the step of ``record``."""
+        if new == current and note is None:
+            return
+        reason = getattr(self.driver.controller, "reason", None) if source != "user" else None
+        self.last_decision = decision_record(step=self.driver.step, samples_seen=self.driver.samples_seen,
+                                             old=current, new=new, source=source, reason=reason, note=note,
+                                             record=record)
+        self.log(self.last_decision)
+
+
+def decision_record(*, step: int, samples_seen: int, old: int, new: int, source: str, reason: Any,
+                    note: str | None, record: dict[str, Any]) -> dict[str, Any]:
+    """A decision's line in the adjustment log: ``old`` is the size of ``step``, ``new`` that of the next."""
+    return {
+        "step": step,
+        "samples_seen": samples_seen,
+        "old_size": old,
+        "new_size": new,
+        "controller": source,
+        "reason": reason,
+        "note": note,
+        "inputs": {k: record.get(k) for k in ("loss", "perf/samples_per_s", "epoch", "coverage", "grad/norm")},
+    }

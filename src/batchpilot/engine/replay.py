@@ -13,7 +13,7 @@ from .. import distributed as bpdist
 from ..rng import set_torch_rng, torch_rng
 
 if TYPE_CHECKING:
-    from ..data.loader import AdaptiveDataLoader
+    from ..data.loader import AdaptiveDataLoader, MicroBatch
     from ..measure import StepMeter
     from .step_end import StepEnd
 
@@ -112,6 +112,17 @@ class StepReplay:
                 "more memory."
             )
         return cap
+
+    def after_micro(self, micro: MicroBatch, event: Callable[..., None]) -> bool:
+        """After a micro-batch that ran out of memory, or the step's last: whether the step runs again (some rank
+        ran out of memory; then it is set up to)."""
+        if self.failed_size is None and not micro.is_last:
+            return False
+        cap = self.agreed_cap()
+        if cap is None:
+            return False
+        self.replay(micro.global_size, cap, event)
+        return True
 
     def replay(self, global_batch_size: int, cap: int, event: Callable[..., None]) -> None:
         """Run the step again from its first micro-batch, at most ``cap`` samples per micro-batch from now on."""

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .. import distributed as bpdist
 from ..checkpoint import (
     CheckpointError,
@@ -20,17 +22,124 @@ from ..checkpoint import (
     class_name,
     fit_problems,
     load_latest_checkpoint,
+    prune_checkpoints,
     read_checkpoint,
+    save_checkpoint,
 )
 from ..controllers.boundary import validate_decision
 from ..data.loader import AdaptiveDataLoader
 from ..logs import AdjustmentLog
+from ..lr import LRCoupling
 from ..measure import GradientNoiseProbe
+from ..rng import gather_rng_states, restore_rng_states
+from .config import PilotConfig
+from .driver import SizeDriver
+from .step_end import StepLog
 
 logger = logging.getLogger("batchpilot")
 
 _STATE_KEYS = ("pilot", "model", "optimizer", "loader", "lr_schedulers", "rng", "log_position")
 _PILOT_KEYS = ("step", "samples_seen", "skipped_steps", "losses", "throughput")
+
+
+class PilotState:
+    """Saves and restores everything a `Pilot` needs to resume exactly: its parts' states (model, optimizer,
+    scaler, LR rules, data position, controller, statistics), the LR schedulers, the step counters, the RNG
+    states of every rank and the log's position.
+
+    Args:
+        parts: The stateful parts by checkpoint key, in loading order (``None`` where a feature is off).
+        log_clamp: ``log_clamp(old, new, note)`` logs a saved batch size clamped to this Pilot's bounds.
+    """
+
+    def __init__(self, parts: dict[str, Any], *, lr_schedulers: list[Any], driver: SizeDriver, log: StepLog,
+                 coupling: LRCoupling, noise: GradientNoiseProbe | None, config: PilotConfig, rank: int,
+                 world_size: int, device: torch.device, log_clamp: Callable[[int, int, str], None]) -> None:
+        self.parts, self.lr_schedulers, self.driver, self.log = parts, lr_schedulers, driver, log
+        self.loader: AdaptiveDataLoader = parts["loader"]
+        self.coupling, self.noise, self.config, self.log_clamp = coupling, noise, config, log_clamp
+        self.rank, self.world_size, self.device = rank, world_size, device
+
+    def state_dict(self, *, skipped_steps: int, override: int | None) -> dict[str, Any]:
+        """The state (every rank must call this: the RNG states are gathered)."""
+        return {
+            "pilot": {
+                "step": self.driver.step,
+                "samples_seen": self.driver.samples_seen,
+                "skipped_steps": skipped_steps,
+                "losses": list(self.driver.losses),
+                "throughput": self.driver.samples_per_s,
+                "world_size": self.world_size,
+                "optimizer_class": class_name(self.parts["optimizer"]),
+                "lr_scheduler_classes": [class_name(s) for s in self.lr_schedulers],
+                "override": override,  # a set_batch_size() made in a step the loop then left unfinished
+            },
+            **{key: None if obj is None else obj.state_dict() for key, obj in self.parts.items()},
+            "lr_schedulers": [s.state_dict() for s in self.lr_schedulers],
+            "rng": gather_rng_states(self.world_size, self.device),
+            "log_position": None if self.log.log is None else self.log.log.position(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> tuple[int, int | None]:
+        """Check that ``state`` fits (every rank must call this), load it, keep this Pilot's own settings;
+        return the state's ``skipped_steps`` and pending ``set_batch_size()`` override."""
+        loader, dec = self.loader, self.config.decisions
+        check_fit(state, components=self.parts, schedulers=self.lr_schedulers, loader=loader, log=self.log.log,
+                  world_size=self.world_size)
+        in_loop = self.coupling.is_scaled  # loaded between steps of batches() (from a callback)
+        drop_last, micro = loader.sampler.drop_last, loader.max_micro_batch_size  # this Pilot's
+        noise_every = None if self.noise is None else self.noise.every
+        if in_loop:
+            self.coupling.unscale()
+        try:
+            p = state["pilot"]
+            self.driver.restore_counters(int(p["step"]), int(p["samples_seen"]), p["losses"], p["throughput"])
+            counters = int(p["skipped_steps"]), p.get("override")
+            load_parts(state, self.parts, self.lr_schedulers)
+            restore_rng_states(state["rng"], self.rank, self.world_size, self.device)
+        except Exception as exc:  # the checks above passed, so this is a damaged state: say what it did
+            raise partly_loaded(exc) from exc
+        if self.log.log is not None and state["log_position"] is not None:
+            self.log.log.truncate(state["log_position"])  # before keep_own_settings logs what it changes
+        keep_own_settings(loader, self.noise, drop_last=drop_last, max_micro_batch_size=micro, noise_every=noise_every,
+                          min_batch_size=dec.min_batch_size, max_batch_size=dec.max_batch_size,
+                          log_clamp=self.log_clamp)
+        if self.log.tensorboard is not None:
+            self.log.tensorboard.resume_after(self.driver.samples_seen)
+        if in_loop or self.coupling.is_scaled:
+            # The loop goes on with the loaded position (or a state_dict() taken between steps holds a scaled
+            # coupling): the factor of its next step's real size, which this Pilot's bounds may have changed.
+            rescale_lr(self.coupling, loader)
+        return counters
+
+    def save(self, path: str | os.PathLike | None, state_dict: Callable[[], dict[str, Any]]) -> Path | None:
+        """Write ``state_dict()`` to :func:`checkpoint_file` (rank 0 writes; every rank must call this), pruning
+        ``checkpoint_dir``; return the path on rank 0, ``None`` elsewhere."""
+        ckpt = self.config.checkpoints
+        path = checkpoint_file(path, ckpt.checkpoint_dir, self.driver.step)
+        scaled = self.coupling.is_scaled
+        if scaled:  # store the schedule's own LR: batches() re-applies the factor of the loaded batch size
+            self.coupling.unscale()
+        try:
+            state = state_dict()
+        finally:
+            if scaled:
+                self.coupling.scale(self.loader.next_step_size())
+        written = None
+        if self.rank == 0:
+            written = save_checkpoint(path, state)
+            if ckpt.checkpoint_dir is not None and path.parent == ckpt.checkpoint_dir:
+                prune_checkpoints(ckpt.checkpoint_dir, ckpt.keep_checkpoints, written)
+        if self.world_size > 1:
+            bpdist.barrier()
+        return written
+
+
+def rescale_lr(coupling: LRCoupling, loader: AdaptiveDataLoader) -> None:
+    """Put in the LR factor of the next step's real size (in place of any factor in now)."""
+    if coupling.is_scaled:
+        coupling.unscale()
+    coupling.scale(loader.next_step_size())
 
 
 def checkpoint_file(path: str | os.PathLike | None, checkpoint_dir: str | os.PathLike | None, step: int) -> Path:

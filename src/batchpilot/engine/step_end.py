@@ -16,8 +16,9 @@ from .. import distributed as bpdist
 from ..clipping import StatsClip, grad_norm
 from ..data.loader import MicroBatch
 from ..logs import AdjustmentLog, TensorBoardSink
-from ..lr import AdaScaleLR, SampleLRSchedule
+from ..lr import AdaScaleLR, LRCoupling, SampleLRSchedule
 from ..measure import GradientNoiseProbe, read_scalars
+from .config import LRConfig
 
 logger = logging.getLogger("batchpilot")
 
@@ -120,6 +121,13 @@ class StepEnd:
         self.world_size, self.rank = world_size, rank
         self.losses: list[tuple[torch.Tensor, float]] = []  # the step's (detached loss, weight in samples)
 
+    def refresh_params(self) -> None:
+        """Re-read the trainable parameters (between steps); the noise probe's small batches follow, as they must
+        cover the parameters of the step's norm."""
+        self.grads.refresh()
+        if self.noise is not None:
+            self.noise.set_params(self.grads.params)
+
     def discard(self) -> None:
         """Drop the step's gradients and losses (it runs again)."""
         self.grads.zero()
@@ -216,19 +224,13 @@ class StepEnd:
                 torch._foreach_mul_(grads, threshold / (norm + 1e-6))
 
 
-def decision_record(*, step: int, samples_seen: int, old: int, new: int, source: str, reason: Any,
-                    note: str | None, record: dict[str, Any]) -> dict[str, Any]:
-    """A decision's line in the adjustment log: ``old`` is the size of ``step``, ``new`` that of the next."""
-    return {
-        "step": step,
-        "samples_seen": samples_seen,
-        "old_size": old,
-        "new_size": new,
-        "controller": source,
-        "reason": reason,
-        "note": note,
-        "inputs": {k: record.get(k) for k in ("loss", "perf/samples_per_s", "epoch", "coverage", "grad/norm")},
-    }
+def lr_rules(optimizer: torch.optim.Optimizer, lr: LRConfig, batch_size: int) -> tuple[LRCoupling, AdaScaleLR | None]:
+    """The LR coupling of ``lr.lr_rule`` and, for ``"adascale"``, AdaScale (Johnson et al. 2020: the LR gain
+    from each step's gradient statistics), both anchored at ``base_batch_size`` (default: ``batch_size``)."""
+    base = batch_size if lr.base_batch_size is None else lr.base_batch_size
+    adascale = lr.lr_rule == "adascale"
+    coupling = LRCoupling(optimizer, base, rule="none" if adascale else lr.lr_rule, knee=lr.lr_knee)
+    return coupling, AdaScaleLR(optimizer, base) if adascale else None
 
 
 def step_record(*, step: int, samples_seen: int, position: tuple[int, int, int], num_samples: int,
