@@ -64,13 +64,3 @@ class Controller(Protocol):
 
 class InvalidDecisionError(ValueError):
     """A controller returned something that is not a usable batch size."""
-
-
-# TRANSITIONAL (issue 20, removed before the end): the old import path while other modules move to .boundary.
-from .boundary import (  # noqa: E402,F401
-    as_controller,
-    check_controller,
-    controller_name,
-    needs_gradient_stats,
-    validate_decision,
-)

@@ -43,7 +43,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from .. import distributed as bpdist
 from .._validation import check_positive_int
 from ..clipping import grad_norm
-from ..controllers.base import needs_gradient_stats
+from ..controllers.boundary import needs_gradient_stats
 from ..data.loader import AdaptiveDataLoader, MicroBatch
 from ..engine.driver import SizeDriver
 from ..measure import read_scalars
