@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from ..data.loader import MicroBatch
-from ..measure import GradientNoiseProbe, StepMeter
+from ..measure import StepMeter
+from .config import PrecisionConfig
 from .replay import StepReplay
 from .step_end import StepEnd
 
@@ -25,17 +26,17 @@ class Accumulation:
     Args:
         ddp_model: The DDP wrapper, or ``None``.
         ddp_syncs: DDP all-reduces inside the step's last backward (else the engine does at the step's end).
-        autocast: The autocast dtype (AMP), or ``None``.
-        mean_loss: The loss given to :meth:`backward` is the mean over its micro-batch (else the sum).
-        scaler: fp16's GradScaler, or ``None``.
+        precision: ``amp`` (the autocast dtype) and ``loss_reduction`` (the loss given to :meth:`backward` is
+            the mean or the sum over its micro-batch).
     """
 
     def __init__(self, *, device: torch.device, ddp_model: Any, ddp_syncs: bool, world_size: int,
-                 autocast: torch.dtype | None, mean_loss: bool, scaler: torch.amp.GradScaler | None,
-                 noise: GradientNoiseProbe | None, meter: StepMeter, step_end: StepEnd, replay: StepReplay) -> None:
+                 precision: PrecisionConfig, meter: StepMeter, step_end: StepEnd, replay: StepReplay) -> None:
         self.device, self.ddp_model, self.ddp_syncs, self.world_size = device, ddp_model, ddp_syncs, world_size
-        self.autocast, self.mean_loss, self.scaler = autocast, mean_loss, scaler
-        self.noise, self.meter, self.step_end, self.replay = noise, meter, step_end, replay
+        self.autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision.amp or "")
+        self.mean_loss = precision.loss_reduction == "mean"
+        self.scaler, self.noise = step_end.scaler, step_end.noise
+        self.meter, self.step_end, self.replay = meter, step_end, replay
         self.micro: MicroBatch | None = None  # the micro-batch between its yield and the step's end
         self.step_open = False  # a step's first micro-batch was yielded and the step is not finished
         self._backward_done = False

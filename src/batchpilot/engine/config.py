@@ -249,8 +249,10 @@ def merge_settings(settings: Mapping[str, Any]) -> PilotConfig:
             raise TypeError(f"{name} must be a {GROUPS[name].__name__}, got {value!r}.")
     both = [k for k in flat if GROUP_OF[k] in groups]
     if both:
-        raise TypeError("given both as a keyword and inside its group: " + ", ".join(
-            f"{k} (and {GROUP_OF[k]}={GROUPS[GROUP_OF[k]].__name__}(...))" for k in both) + "; set each in one place.")
+        raise TypeError("; ".join(
+            f"{k} is given as a keyword while its group is passed as {GROUP_OF[k]}={GROUPS[GROUP_OF[k]].__name__}"
+            f"(...): set {k} inside {GROUPS[GROUP_OF[k]].__name__}(...), or pass it as a keyword without "
+            f"{GROUP_OF[k]}=" for k in both) + ".")
     return PilotConfig(**{name: groups.get(name) or cls(**{k: v for k, v in flat.items() if GROUP_OF[k] == name})
                           for name, cls in GROUPS.items()})
 
@@ -315,6 +317,22 @@ def checked(config: PilotConfig, *, batch_size: Any, controller: Any, optimizer:
                             checkpoint_dir=None if ckpt.checkpoint_dir is None else Path(ckpt.checkpoint_dir)),
         stats=replace(st, noise_every=_int(st.noise_every), system_every=_int(st.system_every)),
     )
+
+
+def stop_samples(epochs: int | None, max_steps: int | None, max_samples: int | None, num_samples: int) -> int | None:
+    """Check the stop conditions of :meth:`Pilot.batches`; return the samples they allow in total (``None``:
+    ``max_steps`` alone gives no sample count).
+
+    Raises:
+        ValueError, TypeError: no condition, or one that is not an int >= 0.
+    """
+    if epochs is None and max_steps is None and max_samples is None:
+        raise ValueError("batches() needs a stop condition: pass epochs=, max_steps= or max_samples=.")
+    for name, value in (("epochs", epochs), ("max_steps", max_steps), ("max_samples", max_samples)):
+        if value is not None:
+            check_positive_int(value, name, minimum=0)
+    bounds = [b for b in (None if epochs is None else epochs * num_samples, max_samples) if b is not None]
+    return min(bounds) if bounds else None
 
 
 def _int(value: Any) -> int | None:

@@ -132,16 +132,16 @@ class SizeDriver:
         """Start timing the next step (call after anything that is not training, e.g. evaluation)."""
         self._clock = time.perf_counter()
 
-    def end_step(self, size: int, loss: float | None, *, finite_only: bool = True) -> float | None:
+    def end_step(self, size: int, loss: float | None, *, finite_only: bool = True) -> float:
         """Count a finished optimizer step of ``size`` samples (over all ranks) and its mean loss (``None``: none
         to record; ``finite_only=False`` records a non-finite one too); return its seconds since the clock
-        started (``None`` without a clock)."""
+        started (0.0 without a clock)."""
         self.step += 1
         self.samples_seen += size
         if loss is not None and (math.isfinite(loss) or not finite_only):
             self.losses.append(float(loss))
         now = time.perf_counter()
-        seconds = None if self._clock is None else now - self._clock
+        seconds = 0.0 if self._clock is None else now - self._clock
         if self._clock is not None and now > self._clock:
             rate = size / (now - self._clock)
             self.samples_per_s = rate if self.samples_per_s is None else 0.9 * self.samples_per_s + 0.1 * rate

@@ -10,7 +10,6 @@ Between the last micro-batch of a step and the first of the next, the generator 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import Callable, Generator
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 import torch
 from typing_extensions import Unpack
 
-from .._validation import check_batch_size, check_positive_int
+from .._validation import check_batch_size
 from .._wrappers import unwrap
 from ..controllers.base import Controller
 from ..controllers.boundary import needs_gradient_stats
@@ -27,16 +26,12 @@ from ..data.loader import AdaptiveDataLoader, MicroBatch
 from ..logs import ProgressBar
 from ..measure import StepMeter, engine_probe
 from .accumulate import Accumulation
-from .config import PilotSettings, checked, merge_settings
+from .config import PilotSettings, checked, merge_settings, stop_samples
 from .driver import Decisions, SizeDriver
 from .placement import engine_reduces_gradients, resolve_world, training_device
-from .replay import StepReplay, keep_finished_step
+from .replay import StepReplay
 from .state import PilotState, find_checkpoint, rescale_lr
 from .step_end import Gradients, StepEnd, StepLog, lr_rules, step_record
-
-logger = logging.getLogger("batchpilot")
-
-StepCallback = Callable[["Pilot", dict], None]
 
 
 class Pilot:
@@ -80,14 +75,13 @@ class Pilot:
             controller, batch_size=batch_size, num_samples=self.num_samples, **vars(cfg.decisions), rank=self.rank,
             names=("controller", "batch_size"), world_size=self.world_size, label="controller")
         self.controller = self.driver.controller
-        self.coupling, self.adascale = lr_rules(optimizer, cfg.lr, batch_size)
-        self._couple = cfg.lr.lr_rule not in ("none", "adascale")  # "none" never changes the LR: skip the work
+        self.coupling, self.adascale, self._couple = lr_rules(optimizer, cfg.lr, batch_size)
         self.lr_schedulers = list(cfg.lr.lr_schedulers)
         self.scaler = torch.amp.GradScaler(self.device.type) if prec.amp == "fp16" else None
         self._lead = self.rank == 0
-        self._log = StepLog(cfg.logs.log_path, cfg.logs.tensorboard_dir, self._lead)
-        self._progress = cfg.logs.progress if self._lead else False
-        self._callbacks: list[StepCallback] = []
+        self._log = StepLog(cfg.logs.log_path, cfg.logs.tensorboard_dir, self._lead,
+                            dropped=self.loader.sampler.dropped_samples)
+        self._callbacks: list[Callable[[Pilot, dict], None]] = []
         self._noise = engine_probe(  # the gradient noise scale, for the controller or AdaScale
             self._grads.params, cfg.stats.noise_every, needed=needs_gradient_stats(self.controller)
             or self.adascale is not None, ranks_are_small_batches=engine_reduces, population=self.num_samples,
@@ -109,20 +103,15 @@ class Pilot:
         self.loader.on_step_start = self._replay.snapshot
         self._acc = Accumulation(  # the micro-batch between its yield and the step's end, and its backward
             device=self.device, ddp_model=self._ddp_model, ddp_syncs=ddp_syncs, world_size=self.world_size,
-            autocast={"bf16": torch.bfloat16, "fp16": torch.float16}.get(prec.amp or ""),
-            mean_loss=prec.loss_reduction == "mean", scaler=self.scaler, noise=self._noise, meter=self._meter,
-            step_end=self._step_end, replay=self._replay)
+            precision=prec, meter=self._meter, step_end=self._step_end, replay=self._replay)
         self._state = PilotState(
-            {"model": self._module, "optimizer": optimizer, "scaler": self.scaler, "coupling": self.coupling,
-             "adascale": self.adascale, "loader": self.loader, "controller": self.controller,
-             "stats_clip": self._step_end.stats_clip, "noise": self._noise, "meter": self._meter},
-            lr_schedulers=self.lr_schedulers, driver=self.driver, log=self._log, coupling=self.coupling,
-            noise=self._noise, config=cfg, rank=self.rank, world_size=self.world_size, device=self.device,
+            module=self._module, optimizer=optimizer, coupling=self.coupling, loader=self.loader, driver=self.driver,
+            step_end=self._step_end, meter=self._meter, log=self._log, config=cfg, rank=self.rank,
+            world_size=self.world_size, device=self.device,
             log_clamp=lambda old, new, note: self._decisions.record(old, new, "user", note, self.last_record))
         self._decisions = Decisions(self.driver, self.loader, log=self._log.decision,
-                                    on_failure=self._keep_finished_step)
+                                    on_failure=lambda error: self._state.keep_finished_step(error, self.state_dict))
         self.skipped_steps = 0
-        self._dropped_reported = self.loader.sampler.dropped_samples
         self.last_record: dict[str, Any] = {}
         self._overhead_clean = False  # whether this step's time outside its micro-batches is a fair sample
         self._rewinds_seen = self.loader.rewinds
@@ -179,7 +168,7 @@ class Pilot:
         """Steps run again after running out of memory."""
         return self._replay.replays
 
-    def add_callback(self, fn: StepCallback) -> None:
+    def add_callback(self, fn: Callable[[Pilot, dict], None]) -> None:
         """Call ``fn(pilot, record)`` after every step (on every rank), e.g. to evaluate."""
         if not callable(fn):
             raise TypeError(f"add_callback() takes a function fn(pilot, record), got {fn!r}.")
@@ -214,14 +203,9 @@ class Pilot:
 
         Call :meth:`backward` exactly once per yielded micro-batch.
         """
-        if epochs is None and max_steps is None and max_samples is None:
-            raise ValueError("batches() needs a stop condition: pass epochs=, max_steps= or max_samples=.")
-        for name, value in (("epochs", epochs), ("max_steps", max_steps), ("max_samples", max_samples)):
-            if value is not None:
-                check_positive_int(value, name, minimum=0)
-        bounds = [b for b in (None if epochs is None else epochs * self.num_samples, max_samples) if b is not None]
-        total = min(bounds) if bounds else None  # in samples (max_steps alone gives no sample count)
-        bar = ProgressBar(None if total is None else max(total - self.samples_seen, 0), self._progress)
+        total = stop_samples(epochs, max_steps, max_samples, self.num_samples)
+        bar = ProgressBar(None if total is None else max(total - self.samples_seen, 0),
+                          self.config.logs.progress if self._lead else False)
 
         def done() -> bool:
             return (
@@ -240,7 +224,7 @@ class Pilot:
                 micro_batches = iter(self.loader)  # a tail left to drop is dropped here (drop_last)
                 self._overhead_clean = False  # the next step's time includes the iterator's start
                 epoch_start = self.loader.position()[1] == 0
-                self._report_drops()
+                self._log.report_drops(self.loader.sampler, self.step + 1)
                 yielded = False
                 for micro in micro_batches:
                     yielded = True
@@ -253,7 +237,7 @@ class Pilot:
                         self._finish_step(micro, bar)
                         if done():
                             return
-                self._report_drops()
+                self._log.report_drops(self.loader.sampler, self.step + 1)
                 if not yielded and epoch_start and self.loader.sampler.drop_last:
                     raise RuntimeError(
                         f"an epoch produced no step: batch_size={self.loader.batch_size} exceeds the dataset size "
@@ -311,12 +295,9 @@ class Pilot:
         if self._couple:
             self.coupling.unscale()
         self._step_end.step_schedulers(self.samples_seen + global_batch_size, outcome.skipped)
-        # A skipped step's loss stays out of the controller's history; a non-finite one kept by
-        # skip_nonfinite=False goes in.
+        # The controller's loss history leaves out a skipped step's loss, not a non-finite one a step was taken with.
         step_time = self.driver.end_step(global_batch_size, None if outcome.skipped else outcome.loss,
                                          finite_only=False)
-        assert step_time is not None  # the clock runs from batches() on
-        samples_per_s = global_batch_size / step_time if step_time > 0 else float("nan")
         # A step that started a data iterator, or refilled prefetching after a size change, is no sample of
         # the per-step overhead (its micro-batches still count).
         clean = self._overhead_clean and self.loader.rewinds == self._rewinds_seen
@@ -324,7 +305,7 @@ class Pilot:
         outcome.stats.update(self._meter.end_step(self.step, outcome.loss, step_time, outcome.skipped, overhead=clean))
         record = step_record(step=self.step, samples_seen=self.samples_seen, position=self.loader.position(),
                              num_samples=self.num_samples, micro=micro, outcome=outcome, step_time=step_time,
-                             samples_per_s=samples_per_s, skipped_steps=self.skipped_steps)
+                             skipped_steps=self.skipped_steps)
         self.last_record = record
         self._log.step(record)
         bar.update(global_batch_size, record)
@@ -345,21 +326,8 @@ class Pilot:
             self.save_checkpoint()
         self.driver.start_clock()
 
-    def _keep_finished_step(self, error: BaseException) -> None:
-        """The controller failed after a finished step (on every rank): save that step in ``checkpoint_dir``."""
-        if self.config.checkpoints.checkpoint_dir is not None:
-            keep_finished_step(self.save_checkpoint, error, step=self.step, lead=self._lead,
-                               resume_hint="load_checkpoint(checkpoint_dir)")
-
     def _event(self, kind: str, data: dict[str, Any], warn: bool = True) -> None:
         self._log.event(self.step + 1, kind, data, warn)
-
-    def _report_drops(self) -> None:
-        dropped = self.loader.sampler.dropped_samples
-        if dropped != self._dropped_reported:  # drop_last dropped an epoch's incomplete final batch
-            self._event("dropped_last", {"samples": dropped - self._dropped_reported,
-                                         "epoch": self.loader.sampler.epoch - 1}, warn=False)
-            self._dropped_reported = dropped
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -382,7 +350,7 @@ class Pilot:
         """
         self._between_steps("load_state_dict()")
         self.skipped_steps, self._decisions.override = self._state.load_state_dict(state)
-        self._dropped_reported = self.loader.sampler.dropped_samples
+        self._log.dropped = self.loader.sampler.dropped_samples
 
     def save_checkpoint(self, path: str | os.PathLike | None = None) -> Path | None:
         """Save :meth:`state_dict` atomically (rank 0 writes; every rank must call).
@@ -405,10 +373,9 @@ class Pilot:
                 folder holds checkpoints but none loads (even with ``missing_ok``: that is no first start).
         """
         found = find_checkpoint(path, missing_ok)
-        if found is None:
-            return None
-        self.load_state_dict(found[1])
-        return found[0]
+        if found is not None:
+            self.load_state_dict(found[1])
+        return None if found is None else found[0]
 
     def _between_steps(self, what: str) -> None:
         if self._acc.micro is not None:

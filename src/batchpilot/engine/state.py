@@ -30,11 +30,12 @@ from ..controllers.boundary import validate_decision
 from ..data.loader import AdaptiveDataLoader
 from ..logs import AdjustmentLog
 from ..lr import LRCoupling
-from ..measure import GradientNoiseProbe
+from ..measure import GradientNoiseProbe, StepMeter
 from ..rng import gather_rng_states, restore_rng_states
 from .config import PilotConfig
 from .driver import SizeDriver
-from .step_end import StepLog
+from .replay import keep_finished_step
+from .step_end import StepEnd, StepLog
 
 logger = logging.getLogger("batchpilot")
 
@@ -48,16 +49,21 @@ class PilotState:
     states of every rank and the log's position.
 
     Args:
-        parts: The stateful parts by checkpoint key, in loading order (``None`` where a feature is off).
         log_clamp: ``log_clamp(old, new, note)`` logs a saved batch size clamped to this Pilot's bounds.
     """
 
-    def __init__(self, parts: dict[str, Any], *, lr_schedulers: list[Any], driver: SizeDriver, log: StepLog,
-                 coupling: LRCoupling, noise: GradientNoiseProbe | None, config: PilotConfig, rank: int,
-                 world_size: int, device: torch.device, log_clamp: Callable[[int, int, str], None]) -> None:
-        self.parts, self.lr_schedulers, self.driver, self.log = parts, lr_schedulers, driver, log
-        self.loader: AdaptiveDataLoader = parts["loader"]
-        self.coupling, self.noise, self.config, self.log_clamp = coupling, noise, config, log_clamp
+    def __init__(self, *, module: torch.nn.Module, optimizer: torch.optim.Optimizer, coupling: LRCoupling,
+                 loader: AdaptiveDataLoader, driver: SizeDriver, step_end: StepEnd, meter: StepMeter, log: StepLog,
+                 config: PilotConfig, rank: int, world_size: int, device: torch.device,
+                 log_clamp: Callable[[int, int, str], None]) -> None:
+        self.parts: dict[str, Any] = {  # by checkpoint key, in loading order (None where a feature is off)
+            "model": module, "optimizer": optimizer, "scaler": step_end.scaler, "coupling": coupling,
+            "adascale": step_end.adascale, "loader": loader, "controller": driver.controller,
+            "stats_clip": step_end.stats_clip, "noise": step_end.noise, "meter": meter,
+        }
+        self.lr_schedulers, self.noise = step_end.lr_schedulers, step_end.noise
+        self.driver, self.log, self.loader, self.coupling = driver, log, loader, coupling
+        self.config, self.log_clamp = config, log_clamp
         self.rank, self.world_size, self.device = rank, world_size, device
 
     def state_dict(self, *, skipped_steps: int, override: int | None) -> dict[str, Any]:
@@ -133,6 +139,15 @@ class PilotState:
         if self.world_size > 1:
             bpdist.barrier()
         return written
+
+
+    def keep_finished_step(self, error: BaseException, state_dict: Callable[[], dict[str, Any]]) -> None:
+        """The controller failed after a finished step (on every rank, so the save's collectives match): with a
+        ``checkpoint_dir``, save that step before the error stops the run, so nothing trained is lost. The
+        checkpoint continues at the current size; a resumed run asks the controller again when next due."""
+        if self.config.checkpoints.checkpoint_dir is not None:
+            keep_finished_step(lambda: self.save(None, state_dict), error, step=self.driver.step, lead=self.rank == 0,
+                               resume_hint="load_checkpoint(checkpoint_dir)")
 
 
 def rescale_lr(coupling: LRCoupling, loader: AdaptiveDataLoader) -> None:

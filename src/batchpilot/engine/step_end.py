@@ -15,6 +15,7 @@ import torch
 from .. import distributed as bpdist
 from ..clipping import StatsClip, grad_norm
 from ..data.loader import MicroBatch
+from ..data.sampler import AdaptiveBatchSampler
 from ..logs import AdjustmentLog, TensorBoardSink
 from ..lr import AdaScaleLR, LRCoupling, SampleLRSchedule
 from ..measure import GradientNoiseProbe, read_scalars
@@ -224,20 +225,22 @@ class StepEnd:
                 torch._foreach_mul_(grads, threshold / (norm + 1e-6))
 
 
-def lr_rules(optimizer: torch.optim.Optimizer, lr: LRConfig, batch_size: int) -> tuple[LRCoupling, AdaScaleLR | None]:
+def lr_rules(optimizer: torch.optim.Optimizer, lr: LRConfig,
+             batch_size: int) -> tuple[LRCoupling, AdaScaleLR | None, bool]:
     """The LR coupling of ``lr.lr_rule`` and, for ``"adascale"``, AdaScale (Johnson et al. 2020: the LR gain
-    from each step's gradient statistics), both anchored at ``base_batch_size`` (default: ``batch_size``)."""
+    from each step's gradient statistics), both anchored at ``base_batch_size`` (default: ``batch_size``); and
+    whether the coupling changes the LR at all (``"none"`` never does: the per-step work is skipped)."""
     base = batch_size if lr.base_batch_size is None else lr.base_batch_size
     adascale = lr.lr_rule == "adascale"
     coupling = LRCoupling(optimizer, base, rule="none" if adascale else lr.lr_rule, knee=lr.lr_knee)
-    return coupling, AdaScaleLR(optimizer, base) if adascale else None
+    return coupling, AdaScaleLR(optimizer, base) if adascale else None, lr.lr_rule not in ("none", "adascale")
 
 
 def step_record(*, step: int, samples_seen: int, position: tuple[int, int, int], num_samples: int,
-                micro: MicroBatch, outcome: StepOutcome, step_time: float, samples_per_s: float,
-                skipped_steps: int) -> dict[str, Any]:
+                micro: MicroBatch, outcome: StepOutcome, step_time: float, skipped_steps: int) -> dict[str, Any]:
     """The step's line in the adjustment log (and TensorBoard, and a controller's ``stats``)."""
     epoch, offset, _ = position
+    samples_per_s = micro.global_size / step_time if step_time > 0 else float("nan")
     return {
         "step": step,
         "samples_seen": samples_seen,
@@ -263,9 +266,17 @@ class StepLog:
     TensorBoard is opened first: without it installed, the ImportError leaves no log file opened behind."""
 
     def __init__(self, log_path: str | os.PathLike | None, tensorboard_dir: str | os.PathLike | None,
-                 lead: bool) -> None:
+                 lead: bool, dropped: int = 0) -> None:
         self.tensorboard = TensorBoardSink(tensorboard_dir) if (tensorboard_dir is not None and lead) else None
         self.log = AdjustmentLog(log_path) if (log_path is not None and lead) else None
+        self.dropped = dropped  # samples drop_last dropped, as reported so far
+
+    def report_drops(self, sampler: AdaptiveBatchSampler, step: int) -> None:
+        """Log the samples ``drop_last`` dropped since the last report (an epoch's incomplete final batch)."""
+        if sampler.dropped_samples != self.dropped:
+            self.event(step, "dropped_last", {"samples": sampler.dropped_samples - self.dropped,
+                                              "epoch": sampler.epoch - 1}, warn=False)
+            self.dropped = sampler.dropped_samples
 
     def event(self, step: int, kind: str, data: dict[str, Any], warn: bool = True) -> None:
         """Something that happened in ``step`` (a skipped step, an out-of-memory replay, dropped samples)."""
