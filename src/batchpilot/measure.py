@@ -1,7 +1,5 @@
-"""Engine-side measurement: turns what happens during a step into the numbers the estimators need.
-
-The estimators in :mod:`batchpilot.stats` are pure; this module is where the engine's gradients,
-timings and losses are read. It is kept out of ``engine.py`` so that the loop stays readable.
+"""Engine-side measurement: the engine's gradients, timings and losses read into the numbers the (pure)
+estimators of :mod:`batchpilot.stats` need.
 
 Gradient noise (McCandlish et al. 2018): on a measured step every micro-batch whose gradient is visible
 before any cross-rank reduction is a "small" batch; the step's final (reduced) gradient is the "big" one.
@@ -11,14 +9,12 @@ so its local norm is read inside DDP's all-reduce by a communication hook (:meth
 without DDP all of them are small batches. With several ranks the small batches thus come for free
 (each rank's gradient before the reduction; three scalars are all-reduced). Otherwise (one process, or
 a DDP model that already has a communication hook) a step with a single micro-batch is split in two on
-measured steps (``min_accumulation``), which keeps the estimate unbiased.
+measured steps (:attr:`GradientNoiseProbe.split_every`), which keeps the estimate unbiased.
 
-How often: the split costs a second forward/backward pass at half size on a measured step (+70-80% of
-that step for a small CNN on CPU at batch 32-128, nothing at 512), so the default period is 16 steps (about
-+4.5-5% per step on that CNN at those batches; ``benchmarks/overhead.py`` measured +3% to +10% on different
-days, see docs/statistics.md). The estimator's EMA decay per measurement is ``0.99 ** (every / 4)``:
-whatever the period, old measurements fade with a time constant of about 400 *steps*, so the estimate
-follows a noise scale that grows during training equally fast.
+How often: the split costs a second forward/backward pass at half size on a measured step (+70-80% of that
+step for a small CNN on CPU at batch 32-128, nothing at 512), so the default period is 16 steps (about +4.5-5%
+per step; docs/statistics.md). The estimator's EMA decay per measurement is ``0.99 ** (every / 4)``: whatever
+the period, old measurements fade with a time constant of about 400 *steps*.
 """
 
 from __future__ import annotations
@@ -92,11 +88,8 @@ class GradientNoiseProbe:
 
     @property
     def population(self) -> int | None:
-        """The dataset's size the estimate is corrected for (``None``: no correction); settable between steps.
-
-        Raises:
-            TypeError, ValueError: on setting anything but ``None`` or an int >= 1.
-        """
+        """The dataset's size the estimate is corrected for (``None``: no correction); settable between steps
+        to ``None`` or an int >= 1 (else ``TypeError``/``ValueError``)."""
         return self._population
 
     @population.setter
@@ -252,9 +245,8 @@ class GradientNoiseProbe:
 def engine_probe(params: list[torch.nn.Parameter], every: int | None, *, needed: bool, ranks_are_small_batches: bool,
                  population: int, ddp_model: Any = None) -> GradientNoiseProbe | None:
     """The engine's probe, measuring every ``every`` steps (``None``: every ``DEFAULT_NOISE_EVERY`` when
-    ``needed``, else no probe), hooked into ``ddp_model``'s all-reduce when one is given (see
-    :meth:`GradientNoiseProbe.attach_ddp`). ``population``: the dataset's size (an epoch draws without
-    replacement)."""
+    ``needed``, else no probe), hooked into ``ddp_model``'s all-reduce when one is given (:meth:`attach_ddp
+    <GradientNoiseProbe.attach_ddp>`); ``population``: the dataset's size (epochs draw without replacement)."""
     if every is None and needed:
         every = DEFAULT_NOISE_EVERY
     if not every:
