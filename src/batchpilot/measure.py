@@ -168,24 +168,24 @@ class GradientNoiseProbe:
         if self.measuring and self._prev is not None:
             torch._foreach_zero_(self._prev)
 
-    def after_backward(self, size: int, to_mean: float, synced: bool) -> None:
-        """Record the gradient norm of a micro-batch of ``size`` samples.
+    def after_backward(self, micro_batch_size: int, to_mean: float, synced: bool) -> None:
+        """Record the gradient norm of a micro-batch of ``micro_batch_size`` samples.
 
         Args:
-            size: Samples in the micro-batch.
+            micro_batch_size: Samples in the micro-batch.
             to_mean: The factor between this backward's ``.grad`` increment and the micro-batch's mean
-                gradient (the engine's loss weight, times the AMP loss scale, times ``size`` for a
+                gradient (the engine's loss weight, times the AMP loss scale, times ``micro_batch_size`` for a
                 summed loss): ``increment = to_mean * g_j``.
             synced: This backward already reduced the gradients over ranks (DDP's last micro-batch);
                 its local norm is the one the DDP hook saw (:meth:`attach_ddp`), if any.
         """
         if synced:
             sq, self._hook_sq = self._hook_sq, None
-            if self.measuring and size and sq is not None:
+            if self.measuring and micro_batch_size and sq is not None:
                 self._sq_norms.append(float(sq) / to_mean**2)
-                self._sizes.append(size)
+                self._sizes.append(micro_batch_size)
             return
-        if not self.measuring or size == 0:
+        if not self.measuring or micro_batch_size == 0:
             return
         start = time.perf_counter()
         grads = self._grads()
@@ -195,11 +195,11 @@ class GradientNoiseProbe:
         sq = sum_of_squares(increment)
         torch._foreach_copy_(self._prev, grads)
         self._sq_norms.append(sq / to_mean**2)
-        self._sizes.append(size)
+        self._sizes.append(micro_batch_size)
         self.seconds += time.perf_counter() - start
 
     def end_step(
-        self, global_size: int, grad_sq_norm: float, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self, global_batch_size: int, grad_sq_norm: float, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     ) -> dict[str, float]:
         """Update the estimator with the step's reduced gradient; return the current estimates.
 
@@ -214,9 +214,9 @@ class GradientNoiseProbe:
             if k > 0 and math.isfinite(sq_sum) and math.isfinite(grad_sq_norm):
                 b_small = k / inverse_sizes  # harmonic mean of the small batch sizes
                 # A step longer than the dataset repeats samples: no correction for it (never in the engine).
-                population = self.population if self.population and global_size <= self.population else None
-                if global_size > b_small:
-                    self.estimator.update(b_small, sq_sum / k, global_size, grad_sq_norm, population=population)
+                population = self.population if self.population and global_batch_size <= self.population else None
+                if global_batch_size > b_small:
+                    self.estimator.update(b_small, sq_sum / k, global_batch_size, grad_sq_norm, population=population)
         self.measuring = False
         return self.values()
 
@@ -350,9 +350,9 @@ class StepMeter:
         """A micro-batch's forward starts."""
         self.timer.start()
 
-    def end_micro(self, size: int) -> None:
+    def end_micro(self, micro_batch_size: int) -> None:
         """Its backward returned (not called for ghost micro-batches): record its size and time."""
-        self._micro_sizes.append(size)
+        self._micro_sizes.append(micro_batch_size)
         self._micro_seconds.append(self.timer.stop())
 
     def close(self) -> None:

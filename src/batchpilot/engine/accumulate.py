@@ -60,7 +60,7 @@ class Accumulation:
                 if self.autocast is not None:
                     stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast))
                 yield data
-        if self.replay.failed_size is not None:
+        if self.replay.failed_micro_batch_size is not None:
             return  # this step runs again (see micro_step)
         if not self._backward_done:
             raise RuntimeError(
@@ -100,8 +100,8 @@ class Accumulation:
                 f"pilot.backward() needs a scalar loss tensor, got {type(loss).__name__} "
                 f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; reduce it with .mean() first."
             )
-        n = micro.size  # 0 for a ghost micro-batch
-        per_sample = (n if self.mean_loss else 1) if n else 0
+        micro_batch_size = micro.size  # 0 for a ghost micro-batch
+        per_sample = (micro_batch_size if self.mean_loss else 1) if micro_batch_size else 0
         if per_sample:
             self.step_end.losses.append((loss.detach(), per_sample))
         weight = per_sample / micro.global_size
@@ -112,16 +112,16 @@ class Accumulation:
             scaled = self.scaler.scale(scaled)
         scaled.backward()
         self._backward_done = True
-        if n:  # the micro-batch's time ends here: the noise probe's work below is not its cost
-            self.meter.end_micro(n)
-        if self.noise is not None and self.noise.measuring and n:
-            # increment of .grad = weight * grad(loss); grad(loss) = g_j for a mean loss, n * g_j for a sum
-            to_mean = weight * (1 if self.mean_loss else n)
+        if micro_batch_size:  # the micro-batch's time ends here: the noise probe's work below is not its cost
+            self.meter.end_micro(micro_batch_size)
+        if self.noise is not None and self.noise.measuring and micro_batch_size:
+            # increment of .grad = weight * grad(loss); grad(loss) = g_j for a mean loss, n * g_j for a sum of n
+            to_mean = weight * (1 if self.mean_loss else micro_batch_size)
             if self.scaler is not None:
                 to_mean *= float(self.scaler.get_scale())
             # On one process DDP's all-reduce changes nothing: the last micro-batch's .grad is still its own.
             synced = self.ddp_syncs and micro.is_last and self.world_size > 1
-            self.noise.after_backward(n, to_mean, synced=synced)
+            self.noise.after_backward(micro_batch_size, to_mean, synced=synced)
 
 
 def to_device(data: Any, device: torch.device) -> Any:

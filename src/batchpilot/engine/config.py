@@ -64,7 +64,7 @@ class LRConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Data order and loading (see :class:`~batchpilot.AdaptiveBatchSampler`, :class:`~batchpilot.AdaptiveDataLoader`)."""
+    """Data order and loading (:class:`~batchpilot.AdaptiveBatchSampler`, :class:`~batchpilot.AdaptiveDataLoader`)."""
 
     shuffle: bool = True
     """Draw each epoch in a new random order."""
@@ -351,9 +351,9 @@ def _check_schedulers(schedulers: Any, optimizer: torch.optim.Optimizer) -> None
                             "schedulers (torch.optim.lr_scheduler or batchpilot.lr schedules) built on this Pilot's "
                             "optimizer.")
         if getattr(s, "optimizer", optimizer) is not optimizer:
-            raise ValueError(f"lr_schedulers[{i}] ({type(s).__name__}) was built on another optimizer than the Pilot's, "
-                             "so it would schedule an optimizer that is not trained; build it on the optimizer you "
-                             "pass to Pilot.")
+            raise ValueError(f"lr_schedulers[{i}] ({type(s).__name__}) was built on another optimizer than the "
+                             "Pilot's, so it would schedule an optimizer that is not trained; build it on the "
+                             "optimizer you pass to Pilot.")
 
 
 def _check_grad_clip(value: Any) -> None:

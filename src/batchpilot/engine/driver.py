@@ -132,18 +132,18 @@ class SizeDriver:
         """Start timing the next step (call after anything that is not training, e.g. evaluation)."""
         self._clock = time.perf_counter()
 
-    def end_step(self, size: int, loss: float | None, *, finite_only: bool = True) -> float:
-        """Count a finished optimizer step of ``size`` samples (over all ranks) and its mean loss (``None``: none
+    def end_step(self, global_batch_size: int, loss: float | None, *, finite_only: bool = True) -> float:
+        """Count a finished optimizer step of ``global_batch_size`` samples and its mean loss (``None``: none
         to record; ``finite_only=False`` records a non-finite one too); return its seconds since the clock
         started (0.0 without a clock)."""
         self.step += 1
-        self.samples_seen += size
+        self.samples_seen += global_batch_size
         if loss is not None and (math.isfinite(loss) or not finite_only):
             self.losses.append(float(loss))
         now = time.perf_counter()
         seconds = 0.0 if self._clock is None else now - self._clock
         if self._clock is not None and now > self._clock:
-            rate = size / (now - self._clock)
+            rate = global_batch_size / (now - self._clock)
             self.samples_per_s = rate if self.samples_per_s is None else 0.9 * self.samples_per_s + 0.1 * rate
         self._clock = now
         return seconds
@@ -154,8 +154,9 @@ class SizeDriver:
         self.losses = collections.deque(losses, maxlen=self.losses.maxlen)
 
     # ------------------------------------------------------------------ decisions
-    def decide(self, current: int, *, epoch: int, coverage: float, stats: Mapping[str, float] | None = None) -> int:
-        """Return the global batch size of the next step; equal on every rank.
+    def decide(self, global_batch_size: int, *, epoch: int, coverage: float,
+               stats: Mapping[str, float] | None = None) -> int:
+        """Return the global batch size of the next step (this one's: ``global_batch_size``); equal on every rank.
 
         Every rank must call this after every step (it is a collective when the controller is consulted).
 
@@ -163,13 +164,14 @@ class SizeDriver:
             InvalidDecisionError: the controller returned an unusable size and ``on_invalid="raise"``.
             RuntimeError: rank 0's controller failed (raised on the other ranks).
         """
-        decided = self.next_size(current, epoch=epoch, coverage=coverage, stats=stats)
-        return current if decided is None else decided.global_batch_size
+        decided = self.next_size(global_batch_size, epoch=epoch, coverage=coverage, stats=stats)
+        return global_batch_size if decided is None else decided.global_batch_size
 
-    def next_size(self, current: int, *, epoch: int, coverage: float, stats: Mapping[str, float] | None = None,
-                  override: int | None = None,
+    def next_size(self, global_batch_size: int, *, epoch: int, coverage: float,
+                  stats: Mapping[str, float] | None = None, override: int | None = None,
                   on_failure: Callable[[BaseException], None] | None = None) -> Decision | None:
-        """The next step's :class:`Decision`, or ``None`` when nothing decides after this step.
+        """The next step's :class:`Decision` (this one's size: ``global_batch_size``), or ``None`` when nothing
+        decides after this step.
 
         ``override`` (a size the user set during the step) replaces the controller's answer; it is bounded like
         one, and broadcast only when the controller is due (rank 0's then wins). ``on_failure(error)`` runs on
@@ -183,19 +185,20 @@ class SizeDriver:
         if override is None and not due:
             return None
         source = "user" if override is not None else controller_name(self.controller)
-        new, note = current, None
+        decided, note = global_batch_size, None
         if self.rank == 0 or not due:
             try:
                 if override is not None:
-                    new, note = validate_decision(override, current=current, min_size=self.min_batch_size,
-                                                  max_size=self.max_batch_size, source="set_batch_size()")
+                    decided, note = validate_decision(override, current=global_batch_size,
+                                                      min_size=self.min_batch_size, max_size=self.max_batch_size,
+                                                      source="set_batch_size()")
                     note = note or "set_batch_size() override"
                 else:
                     assert self.controller is not None  # due
-                    new, note = validate_decision(
-                        self.controller.decide(self.observation(current, epoch=epoch, coverage=coverage,
+                    decided, note = validate_decision(
+                        self.controller.decide(self.observation(global_batch_size, epoch=epoch, coverage=coverage,
                                                                 stats=stats)),
-                        current=current,
+                        current=global_batch_size,
                         min_size=self.min_batch_size,
                         max_size=self.max_batch_size,
                         on_invalid=self.on_invalid,
@@ -208,34 +211,35 @@ class SizeDriver:
                         on_failure(exc)
                 raise
         if due:
-            new = self._broadcast(new)
-            if new < 1:
+            decided = self._broadcast(decided)
+            if decided < 1:
                 error = RuntimeError(f"rank 0's {self.label} failed (see rank 0's error); stopping this rank too.")
                 if on_failure is not None:
                     on_failure(error)
                 raise error
-        if new < self.min_useful and not self._warned_small:
+        if decided < self.min_useful and not self._warned_small:
             self._warned_small = True
             logger.warning(
                 "batch size %d is smaller than the %d micro-batches of a step (world size x accumulation): some "
                 "micro-batches carry no sample of their own and run at weight 0; min_batch_size=%d avoids that.",
-                new, self.min_useful, self.min_useful,
+                decided, self.min_useful, self.min_useful,
             )
-        if new != current or note is not None:
+        if decided != global_batch_size or note is not None:
             self.last_decision = {
-                "step": self.step, "samples_seen": self.samples_seen, "old_size": current, "new_size": new, "note": note,
+                "step": self.step, "samples_seen": self.samples_seen, "old_size": global_batch_size,
+                "new_size": decided, "note": note,
             }
-        return Decision(new, source, note)
+        return Decision(decided, source, note)
 
-    def observation(self, current: int, *, epoch: int, coverage: float,
+    def observation(self, global_batch_size: int, *, epoch: int, coverage: float,
                     stats: Mapping[str, float] | None = None) -> Observation:
-        """What the controller sees after the current step, at global batch size ``current``."""
+        """What the controller sees after the current step, whose size was ``global_batch_size``."""
         return Observation(
             step=self.step,
             samples_seen=self.samples_seen,
             epoch=epoch,
             coverage=coverage,
-            batch_size=current,
+            batch_size=global_batch_size,
             num_samples=self.num_samples,
             losses=tuple(self.losses),
             samples_per_s=self.samples_per_s,
@@ -295,45 +299,48 @@ class Decisions:
 
     def after_step(self, record: dict[str, Any]) -> None:
         """Set the next step's size: the override made inside the step, else the controller's when due."""
-        current, driver = self.loader.batch_size, self.driver
+        global_batch_size, driver = self.loader.batch_size, self.driver
         override, self.override = self.override, None
         stats = observed_stats(record, world_size=driver.world_size or 1,
                                max_micro_batch_size=self.loader.max_micro_batch_size)
-        decided = driver.next_size(current, epoch=record["epoch"], coverage=record["coverage"], stats=stats,
+        decided = driver.next_size(global_batch_size, epoch=record["epoch"], coverage=record["coverage"], stats=stats,
                                    override=override, on_failure=self.on_failure)
         if decided is not None:
-            self.record(current, decided.global_batch_size, decided.source, decided.note, record)
+            self.record(global_batch_size, decided.global_batch_size, decided.source, decided.note, record)
             self.loader.set_batch_size(decided.global_batch_size)
 
-    def set_between_steps(self, global_batch_size: int, record: dict[str, Any]) -> None:
-        """Apply a ``set_batch_size()`` made between steps, bounded like a decision (it replaces an override made
-        in a step the loop left unfinished)."""
+    def set_between_steps(self, requested: int, record: dict[str, Any]) -> None:
+        """Apply a ``set_batch_size(requested)`` made between steps, bounded like a decision (it replaces an
+        override made in a step the loop left unfinished)."""
         self.override = None
-        current = self.loader.batch_size
-        new, note = validate_decision(global_batch_size, current=current, min_size=self.driver.min_batch_size,
-                                      max_size=self.driver.max_batch_size, source="set_batch_size()")
-        self.record(current, new, "user", note, record)
-        self.loader.set_batch_size(new)
+        global_batch_size = self.loader.batch_size
+        decided, note = validate_decision(requested, current=global_batch_size, min_size=self.driver.min_batch_size,
+                                          max_size=self.driver.max_batch_size, source="set_batch_size()")
+        self.record(global_batch_size, decided, "user", note, record)
+        self.loader.set_batch_size(decided)
 
-    def record(self, current: int, new: int, source: str, note: str | None, record: dict[str, Any]) -> None:
-        """Log a change from ``current`` to ``new`` (or a note on keeping it) after the step of ``record``."""
-        if new == current and note is None:
+    def record(self, global_batch_size: int, decided: int, source: str, note: str | None,
+               record: dict[str, Any]) -> None:
+        """Log a change from the ``global_batch_size`` of the step of ``record`` to the ``decided`` one of the
+        next (or a note on keeping it)."""
+        if decided == global_batch_size and note is None:
             return
         reason = getattr(self.driver.controller, "reason", None) if source != "user" else None
         self.last_decision = decision_record(step=self.driver.step, samples_seen=self.driver.samples_seen,
-                                             old=current, new=new, source=source, reason=reason, note=note,
-                                             record=record)
+                                             global_batch_size=global_batch_size, decided=decided, source=source,
+                                             reason=reason, note=note, record=record)
         self.log(self.last_decision)
 
 
-def decision_record(*, step: int, samples_seen: int, old: int, new: int, source: str, reason: Any,
+def decision_record(*, step: int, samples_seen: int, global_batch_size: int, decided: int, source: str, reason: Any,
                     note: str | None, record: dict[str, Any]) -> dict[str, Any]:
-    """A decision's line in the adjustment log: ``old`` is the size of ``step``, ``new`` that of the next."""
+    """A decision's line in the adjustment log: ``global_batch_size`` is that of ``step``, ``decided`` that of the
+    next (logged as ``old_size`` and ``new_size``)."""
     return {
         "step": step,
         "samples_seen": samples_seen,
-        "old_size": old,
-        "new_size": new,
+        "old_size": global_batch_size,
+        "new_size": decided,
         "controller": source,
         "reason": reason,
         "note": note,

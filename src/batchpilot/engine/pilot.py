@@ -108,7 +108,8 @@ class Pilot:
             module=self._module, optimizer=optimizer, coupling=self.coupling, loader=self.loader, driver=self.driver,
             step_end=self._step_end, meter=self._meter, log=self._log, config=cfg, rank=self.rank,
             world_size=self.world_size, device=self.device,
-            log_clamp=lambda old, new, note: self._decisions.record(old, new, "user", note, self.last_record))
+            log_clamp=lambda saved, bounded, note: self._decisions.record(saved, bounded, "user", note,
+                                                                          self.last_record))
         self._decisions = Decisions(self.driver, self.loader, log=self._log.decision,
                                     on_failure=lambda error: self._state.keep_finished_step(error, self.state_dict))
         self.skipped_steps = 0

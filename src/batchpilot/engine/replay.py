@@ -70,7 +70,7 @@ class StepReplay:
                  step_end: StepEnd, meter: StepMeter, oom_recovery: bool, world_size: int) -> None:
         self.module, self.device, self.loader, self.step_end, self.meter = module, device, loader, step_end, meter
         self.oom_recovery, self.world_size = oom_recovery, world_size
-        self.failed_size: int | None = None  # samples of the micro-batch that ran out of memory, this step
+        self.failed_micro_batch_size: int | None = None  # samples of the micro-batch that ran out of memory, this step
         self.error = ""
         self.replays = 0  # steps run again after running out of memory
         self._rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
@@ -82,15 +82,15 @@ class StepReplay:
         if self.oom_recovery:
             self._buffers = [b.detach().clone() for b in self.module.buffers()]
 
-    def caught(self, exc: BaseException, size: int) -> bool:
-        """Whether ``exc``, raised in a micro-batch of ``size`` samples, is an out-of-memory error to recover
-        from (it is then recorded for :meth:`agreed_cap`)."""
+    def caught(self, exc: BaseException, micro_batch_size: int) -> bool:
+        """Whether ``exc``, raised in a micro-batch of ``micro_batch_size`` samples, is an out-of-memory error to
+        recover from (it is then recorded for :meth:`agreed_bound`)."""
         if not (self.oom_recovery and is_out_of_memory(exc)):
             return False
-        self.failed_size, self.error = size, error_summary(exc)
+        self.failed_micro_batch_size, self.error = micro_batch_size, error_summary(exc)
         return True
 
-    def agreed_cap(self) -> int | None:
+    def agreed_bound(self) -> int | None:
         """The micro-batch bound for running this step again, agreed over ranks, or ``None`` when no rank
         ran out of memory (every rank calls this once per step attempt: after its last micro-batch, or
         as soon as it ran out of memory).
@@ -98,44 +98,45 @@ class StepReplay:
         Raises:
             RuntimeError: a micro-batch of one sample ran out of memory (on any rank).
         """
-        failed = self.failed_size
+        failed = self.failed_micro_batch_size
         no_oom = 2**62
         candidate = no_oom if failed is None else failed // 2
-        cap = bpdist.all_reduce_min_int(candidate) if self.world_size > 1 else candidate
-        if cap == no_oom:
+        bound = bpdist.all_reduce_min_int(candidate) if self.world_size > 1 else candidate
+        if bound == no_oom:
             return None
-        if cap < 1:
-            self.failed_size = None
+        if bound < 1:
+            self.failed_micro_batch_size = None
             raise RuntimeError(
                 "out of memory with micro-batches of 1 sample (on at least one rank): the model does not fit "
                 "even one sample; use a smaller model, mixed precision (amp='bf16' or 'fp16') or a device with "
                 "more memory."
             )
-        return cap
+        return bound
 
     def after_micro(self, micro: MicroBatch, event: Callable[..., None]) -> bool:
         """After a micro-batch that ran out of memory, or the step's last: whether the step runs again (some rank
         ran out of memory; then it is set up to)."""
-        if self.failed_size is None and not micro.is_last:
+        if self.failed_micro_batch_size is None and not micro.is_last:
             return False
-        cap = self.agreed_cap()
-        if cap is None:
+        bound = self.agreed_bound()
+        if bound is None:
             return False
-        self.replay(micro.global_size, cap, event)
+        self.replay(micro.global_size, bound, event)
         return True
 
-    def replay(self, global_batch_size: int, cap: int, event: Callable[..., None]) -> None:
-        """Run the step again from its first micro-batch, at most ``cap`` samples per micro-batch from now on."""
+    def replay(self, global_batch_size: int, max_micro_batch_size: int, event: Callable[..., None]) -> None:
+        """Run the step again from its first micro-batch, with at most ``max_micro_batch_size`` samples per
+        micro-batch from now on."""
         old = self.loader.max_micro_batch_size
-        error = self.error if self.failed_size is not None else "another rank ran out of memory"
-        self.failed_size, self.error = None, ""
+        error = self.error if self.failed_micro_batch_size is not None else "another rank ran out of memory"
+        self.failed_micro_batch_size, self.error = None, ""
         self._rewind()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the failed attempt's cached blocks back before the retry
-        self.loader.replay_step(cap)
+        self.loader.replay_step(max_micro_batch_size)
         self.replays += 1
         event("out_of_memory", {"global_batch_size": global_batch_size, "max_micro_batch_size": old,
-                                "new_max_micro_batch_size": cap, "error": error})
+                                "new_max_micro_batch_size": max_micro_batch_size, "error": error})
 
     def discard(self, event: Callable[..., None]) -> None:
         """The loop was left inside a step (a ``break`` or an exception in the loop body, even right after
@@ -144,7 +145,7 @@ class StepReplay:
         never started and counts nothing twice."""
         self._rewind()
         self._rng = None
-        self.failed_size = None
+        self.failed_micro_batch_size = None
         self.loader.restart_step()
         event("interrupted_step", {"note": "the loop left a step unfinished; its gradients were dropped "
                                            "and the next batches() runs it again"}, warn=False)

@@ -49,7 +49,8 @@ class PilotState:
     states of every rank and the log's position.
 
     Args:
-        log_clamp: ``log_clamp(old, new, note)`` logs a saved batch size clamped to this Pilot's bounds.
+        log_clamp: ``log_clamp(global_batch_size, bounded, note)`` logs a saved global batch size clamped to this
+            Pilot's bounds.
     """
 
     def __init__(self, *, module: torch.nn.Module, optimizer: torch.optim.Optimizer, coupling: LRCoupling,
@@ -93,7 +94,7 @@ class PilotState:
         check_fit(state, components=self.parts, schedulers=self.lr_schedulers, loader=loader, log=self.log.log,
                   world_size=self.world_size)
         in_loop = self.coupling.is_scaled  # loaded between steps of batches() (from a callback)
-        drop_last, micro = loader.sampler.drop_last, loader.max_micro_batch_size  # this Pilot's
+        drop_last, max_micro_batch_size = loader.sampler.drop_last, loader.max_micro_batch_size  # this Pilot's
         noise_every = None if self.noise is None else self.noise.every
         if in_loop:
             self.coupling.unscale()
@@ -107,7 +108,8 @@ class PilotState:
             raise partly_loaded(exc) from exc
         if self.log.log is not None and state["log_position"] is not None:
             self.log.log.truncate(state["log_position"])  # before keep_own_settings logs what it changes
-        keep_own_settings(loader, self.noise, drop_last=drop_last, max_micro_batch_size=micro, noise_every=noise_every,
+        keep_own_settings(loader, self.noise, drop_last=drop_last, max_micro_batch_size=max_micro_batch_size,
+                          noise_every=noise_every,
                           min_batch_size=dec.min_batch_size, max_batch_size=dec.max_batch_size,
                           log_clamp=self.log_clamp)
         if self.log.tensorboard is not None:
@@ -321,34 +323,34 @@ def keep_own_settings(loader: AdaptiveDataLoader, noise: GradientNoiseProbe | No
                       max_micro_batch_size: int | None, noise_every: int | None, min_batch_size: int | None,
                       max_batch_size: int | None, log_clamp: Callable[[int, int, str], None]) -> None:
     """After loading: ``drop_last`` and the batch size bounds are this Pilot's (a clamped size is passed to
-    ``log_clamp(old, new, note)``), the micro-batch bound the smaller of this Pilot's and the checkpoint's
-    (which out-of-memory recovery may have lowered), and the noise-scale period the checkpoint's (its
+    ``log_clamp(global_batch_size, bounded, note)``), the micro-batch bound the smaller of this Pilot's and the
+    checkpoint's (which out-of-memory recovery may have lowered), and the noise-scale period the checkpoint's (its
     estimate's smoothing was built for it); a change is logged."""
-    sampler, micro = loader.sampler, max_micro_batch_size
+    sampler = loader.sampler
     if noise is not None and noise_every is not None and noise.every != noise_every:
         logger.warning("this Pilot has noise_every=%d, but the checkpoint's run measured the noise scale every %d "
                        "steps; continuing with %d, so its estimate goes on as it was saved",
                        noise_every, noise.every, noise.every)
     global_batch_size = loader.batch_size
-    new, note = validate_decision(global_batch_size, current=global_batch_size, min_size=min_batch_size,
-                                  max_size=max_batch_size, source="the checkpoint's batch size")
-    if new != global_batch_size:
+    bounded, note = validate_decision(global_batch_size, current=global_batch_size, min_size=min_batch_size,
+                                      max_size=max_batch_size, source="the checkpoint's batch size")
+    if bounded != global_batch_size:
         logger.warning("the checkpoint's batch size %d lies outside this Pilot's [min_batch_size=%s, "
                        "max_batch_size=%s]; continuing with %d", global_batch_size, min_batch_size, max_batch_size,
-                       new)
-        log_clamp(global_batch_size, new, note or "clamped to the bounds after loading")
-        loader.set_batch_size(new)
+                       bounded)
+        log_clamp(global_batch_size, bounded, note or "clamped to the bounds after loading")
+        loader.set_batch_size(bounded)
     if sampler.drop_last != drop_last:
         logger.warning("the checkpoint was saved with drop_last=%s; continuing with this Pilot's drop_last=%s",
                        sampler.drop_last, drop_last)
         sampler.drop_last = drop_last
     saved = loader.max_micro_batch_size
-    bounds = [b for b in (micro, saved) if b is not None]
+    bounds = [b for b in (max_micro_batch_size, saved) if b is not None]
     bound = min(bounds) if bounds else None
     if bound != saved:
         logger.warning("the checkpoint's max_micro_batch_size is %s; continuing with this Pilot's %s", saved, bound)
-    elif bound != micro:
+    elif bound != max_micro_batch_size:
         logger.warning("max_micro_batch_size=%s, but the checkpoint's run had lowered it to %s (after running "
-                       "out of memory); continuing with %s", micro, saved, bound)
+                       "out of memory); continuing with %s", max_micro_batch_size, saved, bound)
     loader.max_micro_batch_size = bound
 

@@ -39,12 +39,13 @@ def reduce_step_loss(losses: Sequence[tuple[torch.Tensor, float]], global_batch_
     """
     loss_sum = sum(value * weight for value, (_, weight) in zip(read_scalars([loss for loss, _ in losses]), losses))
     if world_size > 1:
-        size = global_batch_size
-        totals = bpdist.all_reduce_sum(torch.tensor([loss_sum, size, size * size], dtype=torch.float64))
+        # The size and its square ride along (no extra collective): ranks that disagree cannot sum to both.
+        square = global_batch_size * global_batch_size
+        totals = bpdist.all_reduce_sum(torch.tensor([loss_sum, global_batch_size, square], dtype=torch.float64))
         loss_sum = float(totals[0])
-        if float(totals[1]) != world_size * size or float(totals[2]) != world_size * size * size:
+        if float(totals[1]) != world_size * global_batch_size or float(totals[2]) != world_size * square:
             raise RuntimeError(
-                f"the ranks trained steps of different global sizes (this rank, {rank}: {size}; the mean "
+                f"the ranks trained steps of different global sizes (this rank, {rank}: {global_batch_size}; the mean "
                 f"over ranks: {float(totals[1]) / world_size:g}). Under DDP call set_batch_size() on every "
                 "rank with the same value (broadcast a value only rank 0 knows with "
                 "batchpilot.distributed.broadcast_int)."
@@ -136,12 +137,12 @@ class StepEnd:
 
     def apply(self, global_batch_size: int, event: Event) -> StepOutcome:
         """Reduce, unscale, measure, clip and step; the gradients and losses are dropped afterwards."""
-        size, params = global_batch_size, self.grads.params
+        params = self.grads.params
         if self.engine_reduces:
             bpdist.all_reduce_gradients(params)
             if self.ddp_model is not None and self.ddp_model.broadcast_buffers:
                 bpdist.broadcast_buffers(self.module)  # what DDP does before a synced forward
-        loss = reduce_step_loss(self.losses, size, world_size=self.world_size, rank=self.rank)
+        loss = reduce_step_loss(self.losses, global_batch_size, world_size=self.world_size, rank=self.rank)
         self.losses.clear()
         scaler = self.scaler
         if scaler is not None:
@@ -158,7 +159,8 @@ class StepEnd:
         norm = grad_norm(params) if needs_norm else float("nan")
         stats = {}
         if self.noise is not None:
-            stats = self.noise.end_step(size, norm * norm, bpdist.all_reduce_sum if self.world_size > 1 else None)
+            reduce = bpdist.all_reduce_sum if self.world_size > 1 else None
+            stats = self.noise.end_step(global_batch_size, norm * norm, reduce)
         finite = math.isfinite(loss) and (math.isfinite(norm) or not self.skip_nonfinite)
         lr = float(self.optimizer.param_groups[0]["lr"])  # a tensor LR would be the optimizer's own, changed later
         skipped = False
@@ -172,7 +174,7 @@ class StepEnd:
         else:
             self._clip(norm)
             overflow = scaler is not None and needs_norm and not math.isfinite(norm)
-            scaler_skipped = self._optimizer_step(size, stats, overflow)
+            scaler_skipped = self._optimizer_step(global_batch_size, stats, overflow)
             lr *= stats.get("lr/adascale_gain", 1.0)  # the LR the step used (AdaScale scales it inside)
             if scaler_skipped:
                 assert scaler is not None  # only the GradScaler skips a step in there
@@ -191,12 +193,13 @@ class StepEnd:
             elif not skipped:  # a per-step scheduler counts updates: a skipped step made none (as accelerate)
                 scheduler.step()
 
-    def _optimizer_step(self, size: int, stats: dict[str, float], overflow: bool) -> bool:
+    def _optimizer_step(self, global_batch_size: int, stats: dict[str, float], overflow: bool) -> bool:
         """Step the optimizer (through the GradScaler with fp16, with AdaScale's gain in the LR when on);
         return whether the scaler skipped the step (its scale fell: the scaled gradient overflowed)."""
         gain = None
         if self.adascale is not None and not overflow:  # an overflowing step is skipped: it makes no progress
-            gain = self.adascale.gain_for(size, stats.get("stats/trace_cov"), stats.get("stats/grad_sq_norm"))
+            gain = self.adascale.gain_for(global_batch_size, stats.get("stats/trace_cov"),
+                                          stats.get("stats/grad_sq_norm"))
             self.adascale.scale(gain)
             stats["lr/adascale_gain"] = gain
         try:
