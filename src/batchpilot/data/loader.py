@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate, get_worker_info
 
 from .._validation import check_batch_size, check_bool, check_positive_int
+from ..rng import torch_rng
 from .sampler import AdaptiveBatchSampler, share_bounds
 
 
@@ -218,6 +219,15 @@ class AdaptiveDataLoader:
         dataloader_kwargs: Further keyword arguments for that DataLoader (``multiprocessing_context``,
             ``worker_init_fn``, ``timeout``, ...); not those the loader sets itself, and not ``in_order=False``
             (micro-batches must arrive in the order they were planned).
+        rng_device: When given, torch's RNG state (CPU, and this device's when it is a CUDA device) is kept in
+            ``step_start_rng`` right before each step's first micro-batch is fetched (fetching may draw random
+            numbers), so that a step run again draws what its first run drew.
+
+    Attributes:
+        split_every: When set (and ``accumulation_steps`` is not), every step whose index it divides gets at
+            least 2 micro-batches (never more than the global batch has samples per rank): the two half-batches
+            of a gradient-noise measurement.
+        step_start_rng: See ``rng_device``; ``None`` until a step starts.
     """
 
     def __init__(
@@ -240,6 +250,7 @@ class AdaptiveDataLoader:
         accumulation_steps: int | None = None,
         wrap_loader: Callable[[DataLoader], Iterable[Any]] | None = None,
         dataloader_kwargs: Mapping[str, Any] | None = None,
+        rng_device: torch.device | str | None = None,
     ) -> None:
         if isinstance(dataset, DataLoader):
             raise TypeError(
@@ -316,6 +327,9 @@ class AdaptiveDataLoader:
         self.rewinds = 0  # how often a size change discarded prefetched micro-batches
         self._current: tuple[int, int, int, int, int] | None = None  # step position of the last micro yielded
         self._next_step = 0  # index of the next step to plan
+        self.split_every: int | None = None  # steps whose index it divides get at least 2 micro-batches
+        self._rng_device = None if rng_device is None else torch.device(rng_device)
+        self.step_start_rng: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see _step_starts
         self.min_accumulation: Callable[[int], int] | None = None  # step index -> least micro-batches
         self.on_step_start: Callable[[], None] | None = None  # called before a step's first micro-batch is fetched
         self._wrapped: Iterable[Any] | None = None
@@ -453,11 +467,13 @@ class AdaptiveDataLoader:
             steps = self.accumulation_steps
         else:
             steps = accumulation_steps_for(len(batch), sampler.world_size, self.max_micro_batch_size)
-        if self.min_accumulation is not None and self.accumulation_steps is None:
-            # More micro-batches on request (e.g. two half-batches for a gradient-noise measurement),
-            # never so many that a rank would get an empty one.
-            wanted = min(self.min_accumulation(self._next_step), len(batch) // sampler.world_size)
-            steps = max(steps, wanted)
+        if self.accumulation_steps is None:
+            # More micro-batches on request (two half-batches for a gradient-noise measurement), never so
+            # many that a rank would get an empty one.
+            wanted = 2 if self.split_every is not None and self._next_step % self.split_every == 0 else 1
+            if self.min_accumulation is not None:
+                wanted = max(wanted, self.min_accumulation(self._next_step))
+            steps = max(steps, min(wanted, len(batch) // sampler.world_size))
         self._next_step += 1
         if steps == 1 and len(share):  # the common case: one micro-batch per step
             part = _Planned(share, 0, 1, len(share), len(batch), position)
@@ -484,13 +500,20 @@ class AdaptiveDataLoader:
             if parts is None:
                 return
             for part in parts:
-                if part.micro_index == 0 and self.on_step_start is not None and self.num_workers == 0:
-                    self.on_step_start()  # a DataLoader without workers (pin_memory) fetches right after this
+                if part.micro_index == 0 and self.num_workers == 0:
+                    self._step_starts()  # a DataLoader without workers (pin_memory) fetches right after this
                 indices = _SeededIndices(part.indices.tolist())
                 if self._seed_fetches:
                     entropy = [self.sampler.seed, part.position[4], part.micro_index, self.sampler.rank]
                     indices.seed = int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0] >> 1)
                 yield indices
+
+    def _step_starts(self) -> None:
+        """A step's first micro-batch is about to be fetched: keep torch's RNG state for a replay of the step."""
+        if self._rng_device is not None:
+            self.step_start_rng = torch_rng(self._rng_device)
+        if self.on_step_start is not None:
+            self.on_step_start()
 
     def _fetch(self, indices: np.ndarray) -> Any:
         """Fetch and collate one micro-batch in this process (no workers)."""
@@ -524,8 +547,8 @@ class AdaptiveDataLoader:
                 if self.sampler.epoch != start_epoch or self._plan_step() is None:
                     return
             planned = self._planned[0]
-            if planned.micro_index == 0 and self.on_step_start is not None:
-                self.on_step_start()  # before the fetch: it may draw random numbers (augmentation)
+            if planned.micro_index == 0:
+                self._step_starts()  # before the fetch: it may draw random numbers (augmentation)
             data = self._fetch(planned.indices)
             self._planned.popleft()
             yield self._micro(planned, data)
@@ -549,8 +572,8 @@ class AdaptiveDataLoader:
                 self._pull()
             data = self._pending.popleft()
             self._planned.popleft()
-            if planned.micro_index == 0 and self.on_step_start is not None and self.num_workers > 0:
-                self.on_step_start()  # (without workers, _emit calls it before the DataLoader fetches)
+            if planned.micro_index == 0 and self.num_workers > 0:
+                self._step_starts()  # (without workers, _emit calls it before the DataLoader fetches)
             yield self._micro(planned, data)
 
     def _pull(self) -> None:
