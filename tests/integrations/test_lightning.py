@@ -115,6 +115,41 @@ def test_manual_optimization_follows_the_sizes_exactly(tmp_path):
     assert model.validations == 2 and adaptive.samples_seen == 2 * NUM_SAMPLES
 
 
+def test_the_loss_history_without_weight(tmp_path):
+    """Without weight() the controller still sees each step's sample mean (from the loss Lightning returns divided
+    by the accumulation); a manual training_step that returns no loss adds none (not a zero)."""
+
+    class Unweighted(Model):
+        def training_step(self, batch, batch_idx):
+            x, y, _ = batch
+            loss = torch.nn.functional.cross_entropy(self.net(x), y)
+            micro = self.adaptive.micro_batch
+            self.seen.append((float(loss.detach()), micro.size, micro.is_last))
+            return loss
+
+    class Silent(ManualModel):
+        def training_step(self, batch, batch_idx):
+            x, y, _ = batch
+            self.optimizers().zero_grad()
+            self.manual_backward(torch.nn.functional.cross_entropy(self.net(x), y) * self.adaptive.loss_weight)
+            self.optimizers().step()
+
+    adaptive = AdaptiveBatchSize(SizeList(SIZES), batch_size=4)
+    model = Unweighted(adaptive, make_data(), val=False)
+    model.seen = []
+    trainer(tmp_path, adaptive, accumulate_grad_batches=2).fit(model)
+    expected, step = [], []
+    for loss, n, last in model.seen:
+        step += [(loss, n)] if n else []
+        if last:
+            expected.append(sum(v * n for v, n in step) / sum(n for _, n in step))
+            step = []
+    assert list(adaptive.driver.losses) == pytest.approx(expected, rel=1e-12)
+    silent = AdaptiveBatchSize(SizeList(SIZES), batch_size=4)
+    trainer(tmp_path, silent).fit(Silent(silent, make_data(), val=False))
+    assert silent.driver.step == len(expected_sizes(4, SIZES, NUM_SAMPLES, 2)) and not silent.driver.losses
+
+
 def test_logged_progress_reaches_loggers(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
