@@ -1,5 +1,5 @@
-"""A tiny Lightning fit driven by AdaptiveBatchSize; importable (tests/test_lightning.py) and runnable under
-torchrun (2 gloo ranks on CPU):
+"""A tiny Lightning fit driven by AdaptiveBatchSize; importable (tests/integrations/test_lightning*.py) and
+runnable under torchrun (2 gloo ranks on CPU):
 
     torchrun --standalone --nproc-per-node 2 tests/_lightning_ddp.py OUT_DIR [--noise] [--manual]
         [--dropout] [--save CKPT_DIR] [--resume CKPT]
