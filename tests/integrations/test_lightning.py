@@ -323,6 +323,13 @@ def test_the_loader_needs_the_callback_in_the_trainer(tmp_path):
         trainer(tmp_path, adaptive).fit(model)
 
 
+def test_the_package_exports_the_callback_and_its_loader():
+    from batchpilot.integrations import lightning as integration
+
+    assert integration.__all__ == ["AdaptiveBatchSize", "AdaptiveLoader"]
+    assert isinstance(AdaptiveBatchSize(batch_size=4).dataloader(make_data()), integration.AdaptiveLoader)
+
+
 def test_invalid_settings_fail_at_construction():
     with pytest.raises(ValueError, match="outside"):
         AdaptiveBatchSize(batch_size=64, max_batch_size=32)

@@ -84,7 +84,7 @@ class AdaptiveLoader:
 
     @property
     def batch_size(self) -> int:
-        """Global size of the next step."""
+        """Global batch size of the next step."""
         if self._pending_state is not None:
             return int(self._pending_state["batch_size"])
         return self._first_global_batch_size if self._loader is None else self._loader.batch_size
