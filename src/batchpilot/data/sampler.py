@@ -1,8 +1,8 @@
-"""`AdaptiveBatchSampler`: exact data coverage under a batch size that changes every step.
+"""`AdaptiveBatchSampler`: exact data coverage under a global batch size that changes every step.
 
 The sampler owns the position in the data stream. Each epoch has one fixed order (a function of
-``(seed, epoch)`` alone); every global batch is the next ``batch_size`` indices of that order, and each rank
-receives a contiguous share of it. Because the position is counted in *global samples*, not in batches,
+``(seed, epoch)`` alone); every global batch is the next ``global_batch_size`` indices of that order, and each
+rank receives a contiguous share of it. Because the position is counted in *global samples*, not in batches,
 any sequence of batch sizes and any world size cover each epoch exactly once, and a state saved under one
 world size resumes under another.
 """
@@ -10,7 +10,8 @@ world size resumes under another.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,15 +26,26 @@ _STATE_KEYS = ("num_samples", "seed", "shuffle", "drop_last", "epoch", "offset",
                "samples_seen", "dropped_samples")
 
 
-def share_bounds(global_size: int, rank: int, world_size: int) -> tuple[int, int]:
-    """Return ``(start, stop)`` of ``rank``'s share inside a global batch of ``global_size`` samples.
+def share_bounds(global_batch_size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Return ``(start, stop)`` of ``rank``'s share inside a global batch of ``global_batch_size`` samples.
 
-    Shares are contiguous and differ by at most one sample: the first ``global_size % world_size`` ranks
-    get one extra. A rank's share is empty when ``global_size < world_size`` and ``rank >= global_size``.
+    Shares are contiguous and differ by at most one sample: the first ``global_batch_size % world_size`` ranks
+    get one extra. A rank's share is empty when ``global_batch_size < world_size`` and ``rank >= global_batch_size``.
     """
-    base, extra = divmod(global_size, world_size)
+    base, extra = divmod(global_batch_size, world_size)
     start = rank * base + min(rank, extra)
     return start, start + base + (1 if rank < extra else 0)
+
+
+@dataclass(frozen=True)
+class SamplerPosition:
+    """Where a sampler stands: the ``offset``-th sample of ``epoch``'s order is the next one, after
+    ``samples_seen`` samples yielded and ``dropped_samples`` dropped (``drop_last``) since the start."""
+
+    epoch: int
+    offset: int
+    samples_seen: int
+    dropped_samples: int
 
 
 class AdaptiveBatchSampler:
@@ -53,7 +65,8 @@ class AdaptiveBatchSampler:
       :class:`~batchpilot.AdaptiveDataLoader` makes it a ghost micro-batch);
     * the order is a deterministic function of ``(seed, epoch)``, independent of the sizes chosen;
     * ``state_dict()`` is JSON-serialisable, and ``load_state_dict()`` on a fresh sampler, with any world
-      size, continues with exactly the remaining indices.
+      size, continues with exactly the remaining indices; a state saved inside a loop is continued by the
+      first loop after loading, which ends with that loop's epoch (also right after its last batch).
 
     Args:
         num_samples: Dataset length (> 0).
@@ -85,7 +98,7 @@ class AdaptiveBatchSampler:
                 "check that the dataset was loaded."
             )
         self.num_samples = check_positive_int(num_samples, "num_samples")
-        self._batch_size = check_batch_size(batch_size)
+        self._global_batch_size = check_batch_size(batch_size)
         self.world_size = check_positive_int(world_size, "world_size")
         self.rank = check_positive_int(rank, "rank", minimum=0)
         if self.rank >= self.world_size:
@@ -99,21 +112,25 @@ class AdaptiveBatchSampler:
         self.offset = 0
         self.samples_seen = 0
         self.dropped_samples = 0
-        self.moves = 0  # how often set_epoch moved the position (a loader planning ahead must not undo it)
-        self.next_epoch_of: Callable[[], int] | None = None  # set by a loader: the epoch of its next step
+        self.moves = 0  # how often set_epoch moved the position (a consumer's plans made before are stale)
         self._order_epoch = -1
         self._order: np.ndarray | None = None
-        self._loop_epoch: int | None = None  # the epoch set_epoch named for the loop that follows (no loader)
+        self._loop_epoch: int | None = None  # the epoch set_epoch named for the loop that follows
+        self._loops = 0  # loops started, to tell the open one
+        self._open_loop: tuple[int, int] | None = None  # (loop, its epoch) of the loop that yielded last
+        self._resumed_loop: int | None = None  # epoch of the loop a loaded state was saved in
+        self._plans_ahead = False  # a consumer cuts batches before using them (see plan_ahead)
+        self._first_unused: SamplerPosition | None = None
 
     # ---------------------------------------------------------------- size and position
     @property
     def batch_size(self) -> int:
         """Global size of the next batch to be yielded."""
-        return self._batch_size
+        return self._global_batch_size
 
     def set_batch_size(self, batch_size: int) -> None:
         """Set the global size of the next batch (and of the ones after it, until changed again)."""
-        self._batch_size = check_batch_size(batch_size)
+        self._global_batch_size = check_batch_size(batch_size)
 
     @property
     def coverage(self) -> float:
@@ -125,24 +142,57 @@ class AdaptiveBatchSampler:
         """``samples_seen / num_samples``: passes over the data, fractional (seed 003's logged ``epoch``)."""
         return self.samples_seen / self.num_samples
 
+    def position(self) -> SamplerPosition:
+        """The position of the next batch (see :meth:`seek`)."""
+        return SamplerPosition(self.epoch, self.offset, self.samples_seen, self.dropped_samples)
+
+    def seek(self, position: SamplerPosition) -> None:
+        """Continue from ``position`` (one :meth:`position` returned): a consumer that cut batches it then
+        did not use goes back to the first of them.
+
+        Raises:
+            ValueError: the offset is outside the epoch.
+        """
+        if not 0 <= position.offset < self.num_samples:
+            raise ValueError(f"cannot seek to offset={position.offset}: it must be in [0, {self.num_samples}).")
+        self.epoch, self.offset = position.epoch, position.offset
+        self.samples_seen, self.dropped_samples = position.samples_seen, position.dropped_samples
+
+    def plan_ahead(self, first_unused: SamplerPosition | None) -> None:
+        """For a consumer that cuts batches before it uses them (:class:`~batchpilot.AdaptiveDataLoader`):
+        ``first_unused`` is where its first batch not used yet starts (``None``: it used every batch cut).
+
+        From the first call on, :meth:`set_epoch` compares with the epoch of the consumer's next batch, and an
+        epoch whose only rest is a tail to drop counts as done (the consumer's next loop drops it).
+        """
+        self._plans_ahead = True
+        self._first_unused = first_unused
+
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning, unless it is already the current epoch (resume-safe).
 
         Under an :class:`~batchpilot.AdaptiveDataLoader`, which plans ahead, the current epoch is that of
-        its next unconsumed step.
+        its next unconsumed step. After loading a state saved inside a loop, the epoch of that loop is current:
+        the next loop continues it (and ends at once if it had yielded its epoch's last batch).
         """
         epoch = check_positive_int(epoch, "epoch", minimum=0)
-        if self.next_epoch_of is None:
-            # Where only the current epoch's tail is left (a checkpoint saved after its last full batch, or a
-            # loop that stopped there), the tail belongs to this epoch: moving on drops (and counts) it, and a
-            # loop for this epoch ends there instead of training the next epoch (see __iter__).
+        if self._plans_ahead:
+            first = self._first_unused
+            current = first.epoch if first is not None else self.epoch + self.at_tail_to_drop()
+        elif epoch == self._resumed_loop:
+            return
+        else:
+            # Where only the current epoch's tail is left (a loop that stopped there), the tail belongs to this
+            # epoch: moving on drops (and counts) it, and a loop for this epoch ends there (see __iter__).
+            self._resumed_loop = None
             self._loop_epoch = epoch
             if epoch > self.epoch and self.at_tail_to_drop():
                 self.drop_tail()
-        current = self.next_epoch_of() if self.next_epoch_of is not None else self.epoch
+            current = self.epoch
         if epoch != current:
             self.epoch, self.offset = epoch, 0
             self.moves += 1
+            self._first_unused = None  # the consumer's plans were made before the move
 
     def order(self, epoch: int | None = None) -> np.ndarray:
         """The full index order of ``epoch`` (default: the current one), a function of (seed, epoch)."""
@@ -166,13 +216,13 @@ class AdaptiveBatchSampler:
         returned once, so that a ``for`` loop over the sampler covers exactly one epoch.
         """
         remaining = self.num_samples - self.offset
-        size = min(self._batch_size, remaining)
-        if self.drop_last and size < self._batch_size:
+        global_batch_size = min(self._global_batch_size, remaining)
+        if self.drop_last and global_batch_size < self._global_batch_size:
             self._drop(remaining)
             return None
-        batch = self.order()[self.offset : self.offset + size]
-        self.offset += size
-        self.samples_seen += size
+        batch = self.order()[self.offset : self.offset + global_batch_size]
+        self.offset += global_batch_size
+        self.samples_seen += global_batch_size
         if self.offset == self.num_samples:
             self.epoch, self.offset = self.epoch + 1, 0
         return batch
@@ -191,12 +241,12 @@ class AdaptiveBatchSampler:
 
     def at_tail_to_drop(self) -> bool:
         """With ``drop_last``: only a tail smaller than the batch size is left of the current epoch."""
-        return self.drop_last and self.offset > 0 and self.num_samples - self.offset < self._batch_size
+        return self.drop_last and self.offset > 0 and self.num_samples - self.offset < self._global_batch_size
 
     def _drop(self, remaining: int) -> None:
         self.dropped_samples += remaining
         logger.info("drop_last: dropped the final %d samples of epoch %d (batch size %d)",
-                    remaining, self.epoch, self._batch_size)
+                    remaining, self.epoch, self._global_batch_size)
         self.epoch, self.offset = self.epoch + 1, 0
 
     def local_share(self, global_batch: np.ndarray) -> np.ndarray:
@@ -206,31 +256,50 @@ class AdaptiveBatchSampler:
 
     def __iter__(self) -> Iterator[list[int]]:
         """Yield this rank's share of each remaining global batch of the current epoch (of the next one
-        when only a tail to drop is left, unless ``set_epoch`` named the current epoch: then that epoch ends)."""
+        when only a tail to drop is left, unless ``set_epoch`` named the current epoch: then that epoch ends).
+
+        The first loop after :meth:`load_state_dict` of a state saved inside a loop is that loop going on: it
+        ends with the saved loop's epoch, at once if that loop had yielded the epoch's last batch.
+        """
         named, self._loop_epoch = self._loop_epoch, None
-        tail_of = self.epoch
-        if self.drop_tail() and named == tail_of:
-            return  # the loop set_epoch named for that epoch ends with it
-        start_epoch = self.epoch
-        while self.epoch == start_epoch:
-            batch = self.next_global_batch()
-            if batch is None:
-                return
-            yield self.local_share(batch).tolist()
-            # The last batch of an epoch rolls the position over: stop here, not one batch later.
+        resumed, self._resumed_loop = self._resumed_loop, None
+        self._loops += 1
+        loop, self._open_loop = self._loops, None  # a new loop: an older one left open is abandoned
+        if resumed is not None:
+            loop_epoch = resumed
+        else:
+            tail_of = self.epoch
+            if self.drop_tail() and named == tail_of:
+                return  # the loop set_epoch named for that epoch ends with it
+            loop_epoch = self.epoch
+        try:
+            # The last batch of an epoch rolls the position over: the loop ends there, not one batch later.
+            while self.epoch == loop_epoch:
+                batch = self.next_global_batch()
+                if batch is None:
+                    return
+                self._open_loop = (loop, loop_epoch)  # a state saved now is continued by the next loop
+                yield self.local_share(batch).tolist()
+        finally:
+            if self._open_loop is not None and self._open_loop[0] == loop:
+                self._open_loop = None
 
     def __len__(self) -> int:
         """Batches left in the current epoch if the batch size stays as it is now: what an iteration in
         progress still yields. Where only a tail to drop is left that is 0, although a new ``iter()`` drops
         the tail and yields the next epoch."""
         remaining = self.num_samples - self.offset
-        full, rest = divmod(remaining, self._batch_size)
+        full, rest = divmod(remaining, self._global_batch_size)
         return full + (1 if rest and not self.drop_last else 0)
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable position; restorable under any rank and world size."""
-        return {
+        """JSON-serialisable position; restorable under any rank and world size.
+
+        Inside a loop over the sampler it also holds ``loop_epoch``, that loop's epoch, which the first loop
+        after loading continues; states taken between loops do not have the key.
+        """
+        state: dict[str, Any] = {
             "format": _FORMAT,
             "version": _VERSION,
             "num_samples": self.num_samples,
@@ -239,10 +308,14 @@ class AdaptiveBatchSampler:
             "drop_last": self.drop_last,
             "epoch": self.epoch,
             "offset": self.offset,
-            "batch_size": self._batch_size,
+            "batch_size": self._global_batch_size,
             "samples_seen": self.samples_seen,
             "dropped_samples": self.dropped_samples,
         }
+        loop_epoch = self._open_loop[1] if self._open_loop is not None else self._resumed_loop
+        if loop_epoch is not None:
+            state["loop_epoch"] = loop_epoch
+        return state
 
     def order_mismatches(self, state: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
         """``(key, in state, here)`` for each of ``num_samples``, ``seed`` and ``shuffle`` that differs: a
@@ -259,6 +332,15 @@ class AdaptiveBatchSampler:
             ValueError: ``state`` is not a sampler state (foreign, from another version, incomplete or
                 corrupt), or describes a different dataset or order.
         """
+        position, global_batch_size, loop_epoch = self._checked(state)
+        self.drop_last = state["drop_last"]
+        self.seek(position)
+        self._global_batch_size = global_batch_size
+        self._loop_epoch = self._open_loop = self._first_unused = None
+        self._resumed_loop = loop_epoch
+
+    def _checked(self, state: Any) -> tuple[SamplerPosition, int, int | None]:
+        """The position, global batch size and loop epoch of ``state``, after checking all of it."""
         if not isinstance(state, dict) or state.get("format") != _FORMAT:
             raise ValueError(
                 f"not an AdaptiveBatchSampler state (format={state.get('format') if isinstance(state, dict) else type(state).__name__!r}); "
@@ -282,22 +364,15 @@ class AdaptiveBatchSampler:
                 f"sampler state has {key}={saved!r} but this sampler has {key}={here!r}; "
                 "resume with the same dataset, seed and shuffle setting."
             )
+        counted = ("epoch", "offset", "samples_seen", "dropped_samples") + (("loop_epoch",) if "loop_epoch" in state else ())
         try:  # a corrupt field is a bad state (ValueError), whatever its type
-            counts = {
-                key: check_positive_int(state[key], f"sampler state's {key}", minimum=0)
-                for key in ("epoch", "offset", "samples_seen", "dropped_samples")
-            }
-            batch_size = check_batch_size(state["batch_size"], "sampler state's batch_size")
+            counts = {key: check_positive_int(state[key], f"sampler state's {key}", minimum=0) for key in counted}
+            global_batch_size = check_batch_size(state["batch_size"], "sampler state's batch_size")
         except TypeError as err:
             raise ValueError(str(err)) from err
         if counts["offset"] >= self.num_samples:
             raise ValueError(f"sampler state has offset={counts['offset']}, outside [0, {self.num_samples}).")
         if not isinstance(state["drop_last"], bool):
             raise ValueError(f"sampler state has drop_last={state['drop_last']!r}; it must be True or False.")
-        self.drop_last = state["drop_last"]
-        self.epoch = counts["epoch"]
-        self.offset = counts["offset"]
-        self._batch_size = batch_size
-        self.samples_seen = counts["samples_seen"]
-        self.dropped_samples = counts["dropped_samples"]
-        self._loop_epoch = None
+        position = SamplerPosition(counts["epoch"], counts["offset"], counts["samples_seen"], counts["dropped_samples"])
+        return position, global_batch_size, counts.get("loop_epoch")
