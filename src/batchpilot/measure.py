@@ -155,11 +155,6 @@ class GradientNoiseProbe:
             self._hook_sq = sq if self._hook_sq is None else self._hook_sq + sq
             self.seconds += time.perf_counter() - start
 
-    def min_accumulation(self, step_index: int) -> int:
-        """Micro-batches the loader must plan for ``step_index`` (2 on measured steps, else 1; always 1
-        when the ranks are the small batches)."""
-        return 2 if self._split and step_index % self.every == 0 else 1
-
     def begin_step(self, step_index: int) -> None:
         self.measuring = step_index % self.every == 0
         self._sq_norms.clear()

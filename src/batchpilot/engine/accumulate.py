@@ -47,8 +47,10 @@ class Accumulation:
         self.micro = micro
         self.step_open = True
         self._backward_done = False
-        if micro.micro_index == 0 and self.noise is not None:
-            self.noise.begin_step(micro.step)
+        if micro.micro_index == 0:
+            self.replay.snapshot()  # (no forward ran since the loader fetched it: the step's start)
+            if self.noise is not None:
+                self.noise.begin_step(micro.step)
         data = to_device(micro.data, self.device)
         self.meter.begin_micro()
         if self.ddp_model is None and self.autocast is None:

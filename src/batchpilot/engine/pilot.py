@@ -68,8 +68,9 @@ class Pilot:
         self._grads = Gradients(model, optimizer)  # re-read when a loop starts and after callbacks
         self.device = training_device(cfg.distributed.device, self._module, first_param=self._grads.params[0],
                                       broadcast=self._ddp_model is None and self.world_size > 1)
-        self.loader = AdaptiveDataLoader(dataset, batch_size, max_micro_batch_size=mem.max_micro_batch_size,
-                                         rank=self.rank, world_size=self.world_size, **vars(cfg.data))
+        self.loader = AdaptiveDataLoader(  # it keeps torch's RNG at each step's start, for a step run again
+            dataset, batch_size, max_micro_batch_size=mem.max_micro_batch_size, rank=self.rank,
+            world_size=self.world_size, rng_device=self.device, **vars(cfg.data))
         self.num_samples = self.loader.sampler.num_samples
         self.driver = SizeDriver(  # the step counters, and the decisions
             controller, batch_size=batch_size, num_samples=self.num_samples, **vars(cfg.decisions), rank=self.rank,
@@ -89,8 +90,7 @@ class Pilot:
         self._meter = StepMeter(system_every=cfg.stats.system_every, device=self.device)
         if self._lead:
             self._meter.warn_unmeasured(self.controller, on_gpu=self.device.type == "cuda")
-        if self._noise is not None:
-            self.loader.min_accumulation = self._noise.min_accumulation
+        self.loader.split_every = None if self._noise is None else self._noise.split_every
         self._step_end = StepEnd(
             self._grads, scaler=self.scaler, adascale=self.adascale, grad_clip=prec.grad_clip,
             skip_nonfinite=prec.skip_nonfinite, noise=self._noise, lr_schedulers=self.lr_schedulers,
@@ -100,7 +100,6 @@ class Pilot:
         # first run drew (augmentation, dropout).
         self._replay = StepReplay(self._module, self.device, loader=self.loader, step_end=self._step_end,
                                   meter=self._meter, oom_recovery=mem.oom_recovery, world_size=self.world_size)
-        self.loader.on_step_start = self._replay.snapshot
         self._acc = Accumulation(  # the micro-batch between its yield and the step's end, and its backward
             device=self.device, ddp_model=self._ddp_model, ddp_syncs=ddp_syncs, world_size=self.world_size,
             precision=prec, meter=self._meter, step_end=self._step_end, replay=self._replay)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import distributed as bpdist
-from ..rng import set_torch_rng, torch_rng
+from ..rng import set_torch_rng
 
 if TYPE_CHECKING:
     from ..data.loader import AdaptiveDataLoader, MicroBatch
@@ -61,9 +61,9 @@ class StepReplay:
     after the loop left it unfinished.
 
     A replayed step draws what its first run drew (augmentation, dropout): torch's RNG is taken back to the
-    step's start (the loader takes it before the step's first fetch, which may draw random numbers), and with
-    ``oom_recovery`` so are the module's buffers that the failed attempt's forwards may have moved (BatchNorm's
-    running statistics; a clone per step, so only where a replay is expected).
+    step's start (``loader.step_start_rng``: the loader keeps it before the step's first fetch, which may draw
+    random numbers), and with ``oom_recovery`` so are the module's buffers that the failed attempt's forwards may
+    have moved (BatchNorm's running statistics; a clone per step, so only where a replay is expected).
     """
 
     def __init__(self, module: torch.nn.Module, device: torch.device, *, loader: AdaptiveDataLoader,
@@ -73,12 +73,10 @@ class StepReplay:
         self.failed_micro_batch_size: int | None = None  # samples of the micro-batch that ran out of memory, this step
         self.error = ""
         self.replays = 0  # steps run again after running out of memory
-        self._rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._buffers: list[torch.Tensor] = []
 
     def snapshot(self) -> None:
-        """A step starts: keep torch's RNG and (with ``oom_recovery``) the module's buffers."""
-        self._rng = torch_rng(self.device)
+        """A step's first micro-batch arrived: keep the module's buffers (with ``oom_recovery``)."""
         if self.oom_recovery:
             self._buffers = [b.detach().clone() for b in self.module.buffers()]
 
@@ -144,7 +142,6 @@ class StepReplay:
         rewind it, so that the next loop (or a checkpoint saved now) runs the whole step again as if it had
         never started and counts nothing twice."""
         self._rewind()
-        self._rng = None
         self.failed_micro_batch_size = None
         self.loader.restart_step()
         event("interrupted_step", {"note": "the loop left a step unfinished; its gradients were dropped "
@@ -154,8 +151,9 @@ class StepReplay:
         """Drop the step's gradients, losses and timings; put torch's RNG and (with ``oom_recovery``) the
         buffers back to the step's start."""
         self.step_end.discard()
-        if self._rng is not None:
-            set_torch_rng(self._rng, self.device)
+        rng = self.loader.step_start_rng
+        if rng is not None:
+            set_torch_rng(rng, self.device)
         if self.oom_recovery:
             with torch.no_grad():
                 for buffer, saved in zip(self.module.buffers(), self._buffers):

@@ -331,6 +331,8 @@ def keep_own_settings(loader: AdaptiveDataLoader, noise: GradientNoiseProbe | No
         logger.warning("this Pilot has noise_every=%d, but the checkpoint's run measured the noise scale every %d "
                        "steps; continuing with %d, so its estimate goes on as it was saved",
                        noise_every, noise.every, noise.every)
+    if noise is not None:
+        loader.split_every = noise.split_every  # the checkpoint's period
     global_batch_size = loader.batch_size
     bounded, note = validate_decision(global_batch_size, current=global_batch_size, min_size=min_batch_size,
                                       max_size=max_batch_size, source="the checkpoint's batch size")
