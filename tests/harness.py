@@ -9,7 +9,10 @@ loading it into a *fresh* object gives exactly the future the original would hav
     observe(A, k) == observe(B, k)                          (compared exactly, tensors included)
 
 ``k`` runs over ``steps``: pick restore points that matter for the class under test (0 = before anything
-happened, mid-epoch, exactly at an epoch boundary, one step after it, past the end, ...).
+happened, mid-epoch, exactly at an epoch boundary, one step after it, past the end, ...). For an object
+iterated in loops, drive it with the user's loop and restore inside it right after an epoch's last item,
+before the loop's StopIteration (:func:`epoch_ends` finds those points): the live loop ends there, and so
+must the first loop after loading.
 
 Besides the futures, it checks the things that make resume bugs silent:
 
@@ -56,7 +59,7 @@ import torch
 
 T = TypeVar("T")
 
-__all__ = ["assert_same", "assert_state_roundtrip", "json_roundtrip", "torch_roundtrip"]
+__all__ = ["assert_same", "assert_state_roundtrip", "epoch_ends", "json_roundtrip", "torch_roundtrip"]
 
 
 # ------------------------------------------------------------------------------------------- equality
@@ -220,6 +223,12 @@ def assert_state_roundtrip(
         except AssertionError as err:
             raise AssertionError(f"state round trip after {k} step(s): {err}") from err
     return results
+
+
+def epoch_ends(epochs: Sequence[Any]) -> list[int]:
+    """Restore points right after the last step of each epoch, from the epoch of each step in order: a state
+    saved there sits after the epoch's last batch, before the loop that yielded it ends."""
+    return [k + 1 for k in range(len(epochs) - 1) if epochs[k] != epochs[k + 1]]
 
 
 def _as_sorted_steps(steps: Iterable[int]) -> Sequence[int]:

@@ -291,8 +291,9 @@ class AdaptiveDataLoader:
             for part in parts:
                 if part.micro_index == 0 and self.num_workers == 0:
                     self._step_starts()  # a DataLoader without workers (pin_memory) fetches right after this
-                seeded = self._feed is not None and self._feed.seeded
-                seed = micro_batch_seed(self.sampler.seed, part.step, part.micro_index, self.sampler.rank) if seeded else None
+                seed = None
+                if self._feed is not None and self._feed.seeded:
+                    seed = micro_batch_seed(self.sampler.seed, part.step, part.micro_index, self.sampler.rank)
                 yield seeded_indices(part.indices, seed)
 
     def _step_starts(self) -> None:

@@ -364,7 +364,7 @@ class AdaptiveBatchSampler:
                 f"sampler state has {key}={saved!r} but this sampler has {key}={here!r}; "
                 "resume with the same dataset, seed and shuffle setting."
             )
-        counted = ("epoch", "offset", "samples_seen", "dropped_samples") + (("loop_epoch",) if "loop_epoch" in state else ())
+        counted = [key for key in ("epoch", "offset", "samples_seen", "dropped_samples", "loop_epoch") if key in state]
         try:  # a corrupt field is a bad state (ValueError), whatever its type
             counts = {key: check_positive_int(state[key], f"sampler state's {key}", minimum=0) for key in counted}
             global_batch_size = check_batch_size(state["batch_size"], "sampler state's batch_size")
