@@ -131,8 +131,8 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Deprecated name of :func:`read_checkpoint` (it returns a state; :meth:`Pilot.load_checkpoint` restores)."""
     warnings.warn("batchpilot.load_checkpoint(path) is deprecated: it returns a state dict, while "
-                  "Pilot.load_checkpoint(path) restores a run; use batchpilot.read_checkpoint(path), the same function.",
-                  DeprecationWarning, stacklevel=2)
+                  "Pilot.load_checkpoint(path) restores a run; use batchpilot.read_checkpoint(path), the same "
+                  "function.", DeprecationWarning, stacklevel=2)
     return read_checkpoint(path)
 
 

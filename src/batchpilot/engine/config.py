@@ -247,14 +247,15 @@ def merge_settings(settings: Mapping[str, Any]) -> PilotConfig:
     for name, value in groups.items():
         if not isinstance(value, GROUPS[name]):
             raise TypeError(f"{name} must be a {GROUPS[name].__name__}, got {value!r}.")
-    both = [k for k in flat if GROUP_OF[k] in groups]
-    if both:
-        raise TypeError("; ".join(
-            f"{k} is given as a keyword while its group is passed as {GROUP_OF[k]}={GROUPS[GROUP_OF[k]].__name__}"
-            f"(...): set {k} inside {GROUPS[GROUP_OF[k]].__name__}(...), or pass it as a keyword without "
-            f"{GROUP_OF[k]}=" for k in both) + ".")
-    return PilotConfig(**{name: groups.get(name) or cls(**{k: v for k, v in flat.items() if GROUP_OF[k] == name})
-                          for name, cls in GROUPS.items()})
+    for name in flat:
+        group = GROUP_OF[name]
+        if group in groups:
+            cls = GROUPS[group].__name__
+            raise TypeError(f"{name} is given as a keyword while its group is passed as {group}={cls}(...): set "
+                            f"{name} inside {cls}(...), or pass it as a keyword without {group}=.")
+    built = {group: groups[group] if group in groups else cls(**{k: v for k, v in flat.items() if GROUP_OF[k] == group})
+             for group, cls in GROUPS.items()}
+    return PilotConfig(**built)
 
 
 def checked(config: PilotConfig, *, batch_size: Any, controller: Any, optimizer: torch.optim.Optimizer,
