@@ -13,7 +13,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from ..._validation import check_positive_int
 from ...clipping import grad_norm
 from ...controllers.boundary import needs_gradient_stats
-from ...data.loader import MicroBatch
+from ...data.micro_batch import MicroBatch
 from ...engine.driver import SizeDriver
 from .._step_stats import StepStats, check_measurable
 from .checkpoint import StepStart

@@ -9,7 +9,8 @@ from typing import Any
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
 from ... import distributed as bpdist
-from ...data.loader import AdaptiveDataLoader, MicroBatch
+from ...data.loader import AdaptiveDataLoader
+from ...data.micro_batch import MicroBatch
 
 __all__ = ["AdaptiveLoader", "Fits"]
 

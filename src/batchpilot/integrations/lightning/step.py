@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ... import distributed as bpdist
-from ...data.loader import MicroBatch
+from ...data.micro_batch import MicroBatch
 from ...measure import read_scalars
 
 __all__ = ["StepLosses", "log_progress", "mark_last_batch"]
