@@ -15,8 +15,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import distributed as bpdist
-
 logger = logging.getLogger("batchpilot")
 
 
@@ -50,7 +48,8 @@ def gather_rng_states(world_size: int, device: torch.device | None = None) -> li
     """Every rank's states, in rank order (a collective under ``torch.distributed``); ``device``: the device
     this rank trains on."""
     state = rng_state(device)
-    if world_size == 1 or not bpdist.is_distributed():
+    # torch.distributed itself, not batchpilot.distributed: this module sits below it (DESIGN.md's layers).
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return [state]
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, state)

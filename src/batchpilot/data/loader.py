@@ -156,7 +156,7 @@ class AdaptiveDataLoader:
     # ------------------------------------------------------------------ size
     @property
     def batch_size(self) -> int:
-        """Global size of the next step to be planned."""
+        """Global batch size of the next step to be planned."""
         return self.sampler.batch_size
 
     def set_batch_size(self, batch_size: int) -> None:

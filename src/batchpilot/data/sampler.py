@@ -52,14 +52,14 @@ class AdaptiveBatchSampler:
     """A batch sampler whose global batch size can change before any batch.
 
     Iterating yields, for each global batch of the current epoch, the list of dataset indices that form
-    this rank's share. ``set_batch_size(n)`` sets the global size of the next batch to be yielded.
+    this rank's share. ``set_batch_size(n)`` sets the global batch size of the next batch to be yielded.
 
     Guarantees, for any sequence of ``set_batch_size`` calls and any ``world_size``:
 
     * within an epoch the union over ranks of all shares is exactly ``range(num_samples)``, each index
       once (with ``drop_last=True`` the incomplete final batch, if any, is dropped and counted in
       ``dropped_samples``);
-    * all ranks agree on every global size, and shares differ by at most one index; a rank whose share
+    * all ranks agree on every global batch size, and shares differ by at most one index; a rank whose share
       of a small final batch is empty still yields (an empty list), so every rank yields the same number
       of batches and no DDP collective hangs (torch's ``default_collate`` fails on an empty list:
       :class:`~batchpilot.AdaptiveDataLoader` makes it a ghost micro-batch);
@@ -125,11 +125,11 @@ class AdaptiveBatchSampler:
     # ---------------------------------------------------------------- size and position
     @property
     def batch_size(self) -> int:
-        """Global size of the next batch to be yielded."""
+        """Global batch size of the next batch to be yielded."""
         return self._global_batch_size
 
     def set_batch_size(self, batch_size: int) -> None:
-        """Set the global size of the next batch (and of the ones after it, until changed again)."""
+        """Set the global batch size of the next batch (and of the ones after it, until changed again)."""
         self._global_batch_size = check_batch_size(batch_size)
 
     @property
@@ -240,12 +240,12 @@ class AdaptiveBatchSampler:
         return True
 
     def at_tail_to_drop(self) -> bool:
-        """With ``drop_last``: only a tail smaller than the batch size is left of the current epoch."""
+        """With ``drop_last``: only a tail smaller than the global batch size is left of the current epoch."""
         return self.drop_last and self.offset > 0 and self.num_samples - self.offset < self._global_batch_size
 
     def _drop(self, remaining: int) -> None:
         self.dropped_samples += remaining
-        logger.info("drop_last: dropped the final %d samples of epoch %d (batch size %d)",
+        logger.info("drop_last: dropped the final %d samples of epoch %d (global batch size %d)",
                     remaining, self.epoch, self._global_batch_size)
         self.epoch, self.offset = self.epoch + 1, 0
 
