@@ -139,8 +139,6 @@ class AdaptiveDataLoader:
         self.split_every: int | None = None  # see the class docstring
         self.step_start_rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._rng_device = None if rng_device is None else torch.device(rng_device)
-        self.min_accumulation: Callable[[int], int] | None = None  # step index -> least micro-batches (old name)
-        self.on_step_start: Callable[[], None] | None = None  # called before a step's first fetch (old name)
         self.rewinds = 0  # how often a size change discarded prefetched micro-batches
         self._planned: collections.deque[PlannedMicroBatch] = collections.deque()
         self._current: PlannedMicroBatch | None = None  # a micro-batch of the step last yielded from
@@ -264,12 +262,10 @@ class AdaptiveDataLoader:
         if batch is None:
             return None
         step = self._next_step
-        split = self.split_every is not None and step % self.split_every == 0
-        if self.min_accumulation is not None:
-            split = split or self.min_accumulation(step) > 1
         accumulation_steps = plan_accumulation_steps(
             len(batch), sampler.world_size, accumulation_steps=self.accumulation_steps,
-            max_micro_batch_size=self.max_micro_batch_size, split=split,
+            max_micro_batch_size=self.max_micro_batch_size,
+            split=self.split_every is not None and step % self.split_every == 0,
         )
         self._next_step += 1
         parts = plan_micro_batches(batch, sampler.local_share(batch), accumulation_steps, position, step)
@@ -300,8 +296,6 @@ class AdaptiveDataLoader:
         """A step's first micro-batch is about to be fetched: keep torch's RNG state for a replay of the step."""
         if self._rng_device is not None:
             self.step_start_rng = torch_rng(self._rng_device)
-        if self.on_step_start is not None:
-            self.on_step_start()
 
     def __iter__(self) -> Iterator[MicroBatch]:
         """Yield the micro-batches of the remaining steps of the current epoch.
