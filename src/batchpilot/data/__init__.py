@@ -1,6 +1,6 @@
-"""Data layer: the adaptive batch sampler and the loader built on it."""
+"""Data layer: the adaptive batch sampler, the micro-batch split and the loader built on them."""
 
 from .loader import AdaptiveDataLoader, MicroBatch
-from .sampler import AdaptiveBatchSampler
+from .sampler import AdaptiveBatchSampler, SamplerPosition
 
-__all__ = ["AdaptiveBatchSampler", "AdaptiveDataLoader", "MicroBatch"]
+__all__ = ["AdaptiveBatchSampler", "AdaptiveDataLoader", "MicroBatch", "SamplerPosition"]
