@@ -111,9 +111,9 @@ def test_resuming_into_a_fresh_log_works_and_a_replaced_log_is_refused_before_lo
     other.close()
 
 
-def test_a_restart_before_the_first_checkpoint_appends_after_a_cut_record(tmp_path):
+def test_a_restart_before_the_first_checkpoint_starts_a_fresh_log_after_a_cut_record(tmp_path):
     # A run killed before its first checkpoint left a half-written last record; the restart (nothing to
-    # resume) appends to the same log. Its first record must not be glued onto the half one.
+    # resume) cuts it, then moves that run's log aside to log.1.jsonl and logs anew (issue 20).
     log = tmp_path / "log.jsonl"
     ds, model = make_problem()
     pilot = batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), ds, batch_size=8, log_path=log)
@@ -129,7 +129,8 @@ def test_a_restart_before_the_first_checkpoint_appends_after_a_cut_record(tmp_pa
         again.backward(torch.nn.functional.cross_entropy(model(x), y))
     again.close()
     steps = [r["step"] for r in batchpilot.read_log(log) if r["type"] == "step"]
-    assert steps == [1, 2, 3, 1, 2]  # two runs, one after the other (an existing log is appended to)
+    assert steps == [1, 2]  # a fresh log (it was [1, 2, 3, 1, 2]: two runs in one file)
+    assert [r["step"] for r in batchpilot.read_log(tmp_path / "log.1.jsonl") if r["type"] == "step"] == [1, 2, 3]
     notes = tmp_path / "notes.txt"
     notes.write_text("not a log, no final newline")
     batchpilot.logs.AdjustmentLog(notes).close()
