@@ -28,10 +28,11 @@ from ..measure import StepMeter, engine_probe
 from .accumulate import Accumulation
 from .config import PilotSettings, checked, merge_settings, stop_samples
 from .driver import Decisions, SizeDriver
+from .finish import finish_step
 from .placement import engine_reduces_gradients, resolve_world, training_device
 from .replay import StepReplay
 from .state import PilotState, find_checkpoint, rescale_lr
-from .step_end import Gradients, StepEnd, StepLog, lr_rules, step_record
+from .step_end import Gradients, StepEnd, StepLog, lr_rules
 
 
 class Pilot:
@@ -287,44 +288,7 @@ class Pilot:
 
     # ------------------------------------------------------------------ between steps
     def _finish_step(self, micro: MicroBatch, bar: ProgressBar) -> None:
-        global_batch_size = micro.global_size
-        outcome = self._step_end.apply(global_batch_size, self._event)
-        self._acc.step_open = False
-        if outcome.skipped:
-            self.skipped_steps += 1
-        if self._couple:
-            self.coupling.unscale()
-        self._step_end.step_schedulers(self.samples_seen + global_batch_size, outcome.skipped)
-        # The controller's loss history leaves out a skipped step's loss, not a non-finite one a step was taken with.
-        step_time = self.driver.end_step(global_batch_size, None if outcome.skipped else outcome.loss,
-                                         finite_only=False)
-        # A step that started a data iterator, or refilled prefetching after a size change, is no sample of
-        # the per-step overhead (its micro-batches still count).
-        clean = self._overhead_clean and self.loader.rewinds == self._rewinds_seen
-        self._overhead_clean, self._rewinds_seen = True, self.loader.rewinds
-        outcome.stats.update(self._meter.end_step(self.step, outcome.loss, step_time, outcome.skipped, overhead=clean))
-        record = step_record(step=self.step, samples_seen=self.samples_seen, position=self.loader.position(),
-                             num_samples=self.num_samples, micro=micro, outcome=outcome, step_time=step_time,
-                             skipped_steps=self.skipped_steps)
-        self.last_record = record
-        self._log.step(record)
-        bar.update(global_batch_size, record)
-
-        self._acc.micro = None  # between steps from here on
-        self._decisions.after_step(record)
-        if self._couple:
-            self.coupling.scale(self.loader.next_step_size())
-        groups = len(self.optimizer.param_groups)
-        for fn in self._callbacks:
-            fn(self, record)  # may set_batch_size() or load_checkpoint(): both re-apply the LR factor
-        if self._callbacks:
-            self._step_end.refresh_params()  # a callback may have unfrozen (or frozen) parameters
-            if self._couple and len(self.optimizer.param_groups) != groups:
-                rescale_lr(self.coupling, self.loader)  # a group added in a callback gets the factor at once
-        every = self.config.checkpoints.checkpoint_every
-        if every is not None and self.step % every == 0:
-            self.save_checkpoint()
-        self.driver.start_clock()
+        finish_step(self, micro, bar)
 
     def _event(self, kind: str, data: dict[str, Any], warn: bool = True) -> None:
         self._log.event(self.step + 1, kind, data, warn)
