@@ -1,5 +1,6 @@
 """Controllers: decide the global batch size of the next step from an :class:`Observation`."""
 
+from .auto import Auto
 from .base import Controller, InvalidDecisionError, Observation
 from .boundary import validate_decision
 from .callable import Schedule, linear_increase_scheduler
@@ -10,6 +11,7 @@ from .threshold_rules import ThresholdRules
 from .variance_rule import VarianceRule
 
 __all__ = [
+    "Auto",
     "Constant",
     "Controller",
     "Exponential",
