@@ -1,8 +1,8 @@
 """The ``batchpilot`` command.
 
-    batchpilot bench [--workload mnist1d|digits|seqsum|synthetic|cifar10|cifar100|all] [--policies default] [--seeds 0,1,2,3,4]
+    batchpilot bench [--workload mnist1d|digits|seqsum|markov|synthetic|cifar10|cifar100|all] [--policies default] [--seeds 0,1,2,3,4]
                      [--target-accuracy A] [--budget-s S] [--eval-every E] [--target-window W] [--out DIR] [--resume] [--quick]
-                     [--list]
+                     [--cache-dir DIR] [--no-cache] [--list]
     batchpilot report LOG.jsonl|results.json --out DIR [--x samples|time]
 
 Bad input (an unknown policy or workload, a malformed number, a missing log) ends with a one-line message
@@ -20,7 +20,7 @@ from pathlib import Path
 
 __all__ = ["main"]
 
-# Settings of a full run (issue 3's comparison, 5 seeds) and of --quick (a few minutes on 2 CPU cores).
+# Settings of a full run (issue 21's comparison, 5 seeds) and of --quick (one seed: auto against statics).
 FULL = {"seeds": "0,1,2,3,4", "policies": "default"}
 QUICK = {"seeds": "0", "policies": "quick"}
 
@@ -83,6 +83,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--data-dir", default=None,
                        help="folder of real data sets (cifar10: cifar-10-batches-py/, cifar100: cifar-100-python/). "
                        "Default: $BATCHPILOT_DATA, else ~/.cache/batchpilot/data.")
+    bench.add_argument("--cache-dir", default=None,
+                       help="folder of the cache of static runs and calibrations, reused by a later bench with the "
+                       "same settings (docs/benchmark.md#the-cache). Default: $BATCHPILOT_CACHE/bench, else "
+                       "~/.cache/batchpilot/bench.")
+    bench.add_argument("--no-cache", dest="cache", action="store_false",
+                       help="train every run and calibrate afresh; read and write no cache.")
     bench.add_argument("--no-progress", dest="progress", action="store_false", help="print only the results.")
     bench.set_defaults(run=_bench, subparser=bench)
 
@@ -187,6 +193,11 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         parser.error(f"--out {str(out)!r} cannot be used as the output folder ({exc.strerror}); pass another folder.")
+    cache = None
+    if args.cache:
+        from .bench.cache import default_cache_dir
+
+        cache = Path(args.cache_dir).expanduser() if args.cache_dir is not None else default_cache_dir()
     everything = {}
     for workload in workloads:
         target = args.target_accuracy
@@ -201,7 +212,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         try:
             results = run_benchmark(workload, policies, seeds, target, budget, folder, args.eval_every, args.progress,
                                     calibrate_steps=args.calibrate_steps, tune_factors=factors, resume=args.resume,
-                                    device=args.device, target_window=args.target_window)
+                                    device=args.device, target_window=args.target_window, cache_dir=cache)
         except (ImportError, FileNotFoundError) as exc:  # a missing optional extra, or a real data set not there
             parser.exit(2, f"batchpilot bench: error: {exc}\n")
         except ValueError as exc:  # --resume from a damaged or different results.json, or an unusable --device
@@ -216,7 +227,11 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print()
         print(f"{workload.name}: time to test accuracy {target:g} (training time, median over seeds {seeds})")
         print(format_table(results))
-        for key in ("a", "b", "c"):
+        hits = sum(bool(r.get("cached")) for r in results["runs"])
+        if hits:
+            print(f"{hits} of {len(results['runs'])} runs read from the cache in {results['config']['cache_dir']} "
+                  "(static runs of an earlier bench with the same settings; --no-cache trains them again)")
+        for key in ("a", "b", "c", "d"):
             entry = results["targets"][key]
             print(f"target ({key}): {entry['status']}: {entry['text']}")
         written = write_report(results, folder)
@@ -279,7 +294,7 @@ def list_text() -> str:
                      + ("" if w.in_all else "  [not in 'all']"))
         lines.append(f"             {w.description}")
     lines += ["", "Policies (--policies, comma-separated):"]
-    forms = {"static": "static:N[@lr=X]", "tuned-static": "tuned-static:N | tuned-static:A-B", "finder": "finder",
+    forms = {"static": "static:N[@lr=X]", "tuned-static": "tuned-static:N | A-B | grid", "finder": "finder",
              "ramp": "ramp | ramp:START-END[@EPOCHS]", "smith": "ramp-smith | smith:START-END@EPOCHS",
              "warmup": "warmup:SMALL-TARGET@W+R"}
     for kind, text in DESCRIPTIONS.items():

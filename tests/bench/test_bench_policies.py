@@ -8,7 +8,7 @@ import math
 import pytest
 
 from batchpilot.bench.calibrate import Calibration, _suffix_min, size_grid
-from batchpilot.bench.policies import NAMED_SETS, NOISE_EVERY, parse_policies, parse_policy
+from batchpilot.bench.policies import NAMED_SETS, NOISE_EVERY, parse_policies, parse_policy, workload_grid
 from batchpilot.bench.specs import Plan, expand
 from batchpilot.bench.summary import category, evaluate_targets, grid_search_cost, summarize
 from batchpilot.controllers import Goodput, NoiseScale, ThresholdRules, VarianceRule
@@ -37,11 +37,13 @@ def test_new_policy_forms_and_canonical_names():
 
 
 def test_named_sets_and_ranges_expand():
-    names = [p.name for p in parse_policies("default")]
+    names = [p.name for p in workload_grid(parse_policies("default"), (32, 1024))]
     assert names == ["static:32", "tuned-static:32", "tuned-static:64", "tuned-static:128", "tuned-static:256",
-                     "tuned-static:512", "tuned-static:1024", "finder", "ramp:32-512", "ramp-smith",
-                     "noise-scale", "goodput", "variance-rule", "threshold-rules", "noise-scale@lr-rule=adascale",
-                     "goodput@lr-rule=adascale"]
+                     "tuned-static:512", "tuned-static:1024", "finder", "ramp:32-512", "noise-scale", "goodput", "auto"]
+    full = [p.name for p in workload_grid(parse_policies("full"), (64, 256))]
+    assert full == ["static:32", "tuned-static:64", "tuned-static:128", "tuned-static:256", "finder", "ramp:32-512",
+                    "ramp-smith", "noise-scale", "goodput", "variance-rule", "threshold-rules", "auto"]
+    assert [p.name for p in parse_policies("quick")] == ["static:32", "static:512", "auto"]
     assert [p.name for p in parse_policies("tuned-static:100-400")] == ["tuned-static:100", "tuned-static:200",
                                                                          "tuned-static:400"]
     # A named set may overlap a policy written out: no error, each policy once.
@@ -117,7 +119,8 @@ def test_finder_smith_and_adaptive_specs():
         assert repr(controller) == repr(reference)  # the defaults, only the workload's bounds passed
         assert spec.batch_size == 32 and spec.noise_every == NOISE_EVERY and spec.lr == 0.01
     assert by_name["variance-rule"].lr_rule == "linear-then-sqrt"  # VarianceRule.recommended_lr_rule
-    assert by_name["noise-scale"].lr_rule == "linear"
+    # NoiseScale's own recommended rule (AdaScale, issue 21) where it has one, else the workload's.
+    assert by_name["noise-scale"].lr_rule == getattr(NoiseScale, "recommended_lr_rule", "linear")
 
 
 def test_sqrt_rule_and_lr_rule_override():
@@ -202,40 +205,40 @@ def _summary(adaptive_t, static_t=10.0, untuned_t=30.0, adaptive_acc=0.98, stati
 
 def test_targets_pass_with_margins():
     summary, best = _summary(8.5)
-    t = evaluate_targets(summary, best, {"median_s": 100.0, "cells": ["a"] * 18}, "static:32", default_workload=True)
+    t = evaluate_targets(summary, best, {"median_s": 100.0, "cells": ["a"] * 18}, "static:32", stretch=True)
     assert t["best_adaptive"] == "noise-scale"
-    assert t["a"]["status"] == "PASS" and t["a"]["value"] == 0.85 and t["a"]["threshold"] == 0.9
-    assert "within by 0.05x" in t["a"]["text"] and "stretch <= 0.80x: not met" in t["a"]["text"]
+    assert t["a"]["status"] == "PASS" and t["a"]["value"] == 0.85 and t["a"]["threshold"] == 1.0
+    assert "within by 0.15x" in t["a"]["text"] and "stretch <= 0.85x: met" in t["a"]["text"]
     assert t["b"]["status"] == "PASS" and t["b"]["value"] == pytest.approx(30 / 8.5)
     assert t["c"]["status"] == "PASS" and t["c"]["value"] == pytest.approx(100 / 8.5)
 
 
 def test_targets_miss_and_say_by_how_much():
     summary, best = _summary(10.5, untuned_t=20.0, wall=25.0)
-    t = evaluate_targets(summary, best, {"median_s": 100.0, "cells": []}, "static:32", default_workload=True)
-    assert t["a"]["status"] == "MISS" and "over by 0.15x (17%)" in t["a"]["text"]
-    assert t["b"]["status"] == "MISS" and "short by 0.10x" in t["b"]["text"]  # 20 / 10.5 = 1.90x
+    t = evaluate_targets(summary, best, {"median_s": 100.0, "cells": []}, "static:32", stretch=True)
+    assert t["a"]["status"] == "MISS" and "over by 0.05x (5%)" in t["a"]["text"]
+    assert t["b"]["status"] == "MISS" and "short by 1.10x" in t["b"]["text"]  # 20 / 10.5 = 1.90x vs 3x
     assert t["c"]["status"] == "MISS" and t["c"]["value"] == 4.0  # 100 s of grid / 25 s of one run
-    # Elsewhere the limit is 1.1x: the same ratio passes.
-    other = evaluate_targets(summary, best, {}, "static:32", default_workload=False)
-    assert other["a"]["status"] == "PASS" and other["a"]["threshold"] == 1.1
+    # Without the stretch the limit is the same 1.0x; the text leaves the stretch out.
+    other = evaluate_targets(summary, best, {}, "static:32", stretch=False)
+    assert other["a"]["status"] == "MISS" and other["a"]["threshold"] == 1.0 and "stretch" not in other["a"]["text"]
     assert other["c"]["status"] == "N/A"
 
 
 def test_target_a_needs_the_accuracy_too():
     summary, best = _summary(5.0, adaptive_acc=0.977, static_acc=0.981)  # 0.4 points lower
-    t = evaluate_targets(summary, best, {}, "static:32", default_workload=True)
+    t = evaluate_targets(summary, best, {}, "static:32", stretch=True)
     assert t["a"]["status"] == "MISS" and "final accuracy 0.9770 < best static's 0.9810" in t["a"]["text"]
     summary, best = _summary(5.0, adaptive_acc=0.978, static_acc=0.981)  # exactly 0.3 points lower
-    assert evaluate_targets(summary, best, {}, "static:32", default_workload=True)["a"]["status"] == "PASS"
+    assert evaluate_targets(summary, best, {}, "static:32", stretch=True)["a"]["status"] == "PASS"
 
 
 def test_targets_without_adaptive_or_when_it_misses():
     summary, best = summarize([run("static:32", 0, 3.0)])
-    t = evaluate_targets(summary, best, {}, "static:32", default_workload=True)
+    t = evaluate_targets(summary, best, {}, "static:32", stretch=True)
     assert t["best_adaptive"] is None and {t[k]["status"] for k in "abc"} == {"N/A"}
     summary, best = _summary(None)
-    t = evaluate_targets(summary, best, {"median_s": 50.0}, "static:32", default_workload=False)
+    t = evaluate_targets(summary, best, {"median_s": 50.0}, "static:32", stretch=False)
     assert t["a"]["status"] == "MISS" and "missed the target" in t["a"]["text"]
     assert t["b"]["status"] == "MISS" and t["c"]["status"] == "MISS"
     assert math.isfinite(t["c"]["value"])
@@ -245,11 +248,11 @@ def test_targets_are_not_judged_for_policies_without_runs():
     # A partial results.json (written after every run): static:32 and goodput have no run yet.
     runs = [run("static:512", 0, 10.0), run("noise-scale", 0, 8.0)]
     summary, best = summarize(runs, ["static:512", "static:32", "goodput", "noise-scale"])
-    t = evaluate_targets(summary, best, {"median_s": 100.0}, "static:32", default_workload=True)
+    t = evaluate_targets(summary, best, {"median_s": 100.0}, "static:32", stretch=True)
     assert t["best_adaptive"] == "noise-scale" and t["a"]["status"] == "PASS"
     assert t["b"]["status"] == "N/A" and "no finished run yet" in t["b"]["text"]
     summary, best = summarize(runs[:1], ["static:512", "static:32", "goodput"])
-    t = evaluate_targets(summary, best, {"median_s": 100.0}, "static:32", default_workload=True)
+    t = evaluate_targets(summary, best, {"median_s": 100.0}, "static:32", stretch=True)
     assert t["best_adaptive"] is None and {t[k]["status"] for k in "abc"} == {"N/A"}
     assert "no adaptive run has finished yet" in t["a"]["text"]
 
@@ -257,7 +260,7 @@ def test_targets_are_not_judged_for_policies_without_runs():
 def test_targets_when_the_untrained_model_already_meets_the_target():
     summary, best = _summary(0.0, static_t=0.0, untuned_t=0.0)
     assert summary["noise-scale"]["ratio_vs_best_static"] is None
-    t = evaluate_targets(summary, best, {"median_s": 1.0}, "static:32", default_workload=True)
+    t = evaluate_targets(summary, best, {"median_s": 1.0}, "static:32", stretch=True)
     assert {t[k]["status"] for k in "abc"} == {"N/A"} and "raise --target-accuracy" in t["a"]["text"]
 
 

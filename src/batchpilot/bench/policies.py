@@ -13,7 +13,8 @@ Policies:
 * ``static:N`` — batch N throughout at the rule LR. ``static:N@lr=X`` — batch N at learning rate X.
 * ``tuned-static:N`` — batch N with its LR tuned over ``rule LR x {0.5, 1, 2}`` (``tune_factors``): the
   three cells ``static:N@lr=X`` are all trained, and the cell with the best median time to target is
-  picked after the fact. ``tuned-static:A-B`` is A, 2A, 4A, ... up to B.
+  picked after the fact. ``tuned-static:A-B`` is A, 2A, 4A, ... up to B; ``tuned-static:grid`` is the
+  workload's own range (``Workload.grid``: 32-1024 for most, 64-512 for ``markov``; :func:`workload_grid`).
 * ``finder`` — the batch a batch-size finder picks from the throughput calibration (the smallest size
   within 5% of the best measured throughput, up to the workload's largest batch; see
   :mod:`batchpilot.bench.calibrate`), trained statically at the rule LR.
@@ -28,11 +29,18 @@ Policies:
 * ``warmup:SMALL-TARGET@W+R`` — :class:`~batchpilot.controllers.WarmupRamp` (seed 000, section 4.2).
 * ``noise-scale``, ``goodput``, ``variance-rule``, ``threshold-rules`` — the adaptive controllers with
   their default settings; only the workload's bounds (``min_size``, ``max_size``, capped at the dataset
-  size) are passed. They start at ``min_size`` with the rule LR (``VarianceRule`` with its recommended
-  rule), and the engine measures gradient statistics every ``NOISE_EVERY`` steps for them.
+  size) are passed. They start at ``min_size`` with their recommended LR rule where they have one
+  (``recommended_lr_rule``: AdaScale for ``NoiseScale`` and ``Goodput``, ``linear-then-sqrt`` for
+  ``VarianceRule``), else the workload's rule, and the engine measures gradient statistics for them.
+* ``auto`` — the automatic mode: ``Pilot(..., batch_size="auto", controller=Auto(min_size, max_size))`` with
+  the workload's bounds and the default ``lr_rule`` (the LR range test at the knee, then the LR curve). Its
+  start probes run inside the timed training (their time counts in every time to target).
 
-Named sets: ``default`` (the comparison of issue 3, plus ``noise-scale`` and ``goodput`` with the AdaScale LR
-rule, Pollux's own pairing), ``quick``, ``adaptive``, ``foundation``.
+Named sets: ``default`` (the comparison of issue 21: the untuned default, the LR-tuned static grid, the finder,
+the ramp, ``noise-scale``, ``goodput`` and ``auto``), ``full`` (``default`` plus ``ramp-smith``,
+``variance-rule`` and ``threshold-rules``: issue 3's comparison), ``collapse`` (target (d): ``static:32`` and every
+adaptive controller with its defaults), ``quick`` (``auto`` against the static grid's usual winner and the untuned
+default), ``adaptive``, ``foundation``.
 """
 
 from __future__ import annotations
@@ -45,25 +53,29 @@ from typing import Any
 
 from ..measure import DEFAULT_NOISE_EVERY
 
-__all__ = ["ADAPTIVE", "NAMED_SETS", "NOISE_EVERY", "POLICY_HELP", "Policy", "parse_policies", "parse_policy"]
+__all__ = ["ADAPTIVE", "AUTO", "NAMED_SETS", "NOISE_EVERY", "POLICY_HELP", "Policy", "parse_policies", "parse_policy",
+           "workload_grid"]
 
 NOISE_EVERY = DEFAULT_NOISE_EVERY  # gradient-noise measurement period (the engine's default)
 TUNE_FACTORS = (0.5, 1.0, 2.0)
 LR_RULES = ("none", "linear", "sqrt", "linear-then-sqrt", "adascale")
 ADAPTIVE = ("noise-scale", "goodput", "variance-rule", "threshold-rules")
+AUTO = "auto"
 ALIASES = {"ramp": "ramp:32-512"}
 NAMED_SETS = {
-    "default": "static:32,tuned-static:32-1024,finder,ramp,ramp-smith," + ",".join(ADAPTIVE)
-    + ",noise-scale@lr-rule=adascale,goodput@lr-rule=adascale",
-    "quick": "static:32,static:512,ramp,ramp-smith,noise-scale,goodput",
-    "adaptive": ",".join(ADAPTIVE),
+    "default": "static:32,tuned-static:grid,finder,ramp,noise-scale,goodput,auto",
+    "full": "static:32,tuned-static:grid,finder,ramp,ramp-smith," + ",".join(ADAPTIVE) + ",auto",
+    "collapse": "static:32," + ",".join(ADAPTIVE) + ",auto",
+    "quick": "static:32,static:512,auto",
+    "adaptive": ",".join(ADAPTIVE) + ",auto",
     "foundation": "static:32,static:128,static:512,ramp",
 }
 POLICY_HELP = (
-    "static:N[@lr=X], tuned-static:N or tuned-static:A-B (LR tuned over rule LR x 0.5/1/2), finder, "
+    "static:N[@lr=X], tuned-static:N, tuned-static:A-B or tuned-static:grid (the workload's range; LR tuned over rule "
+    "LR x 0.5/1/2), finder, "
     "ramp (= ramp:32-512), ramp:START-END[@EPOCHS], ramp-smith (smith:512-4096 at the workload's interval), "
     "smith:START-END@EPOCHS, "
-    "warmup:SMALL-TARGET@W+R, " + ", ".join(ADAPTIVE) + "; any but smith and static@lr takes @lr-rule=RULE "
+    "warmup:SMALL-TARGET@W+R, " + ", ".join(ADAPTIVE) + ", auto; any but smith and static@lr takes @lr-rule=RULE "
     "(" + ", ".join(LR_RULES) + "); named sets: " + ", ".join(NAMED_SETS)
 )
 DESCRIPTIONS = {
@@ -77,6 +89,7 @@ DESCRIPTIONS = {
     "goodput": "Goodput controller (Pollux), defaults",
     "variance-rule": "VarianceRule controller (seed 002), defaults",
     "threshold-rules": "ThresholdRules controller (seed 000 section 4.2), defaults",
+    "auto": "automatic mode: batch_size='auto' (throughput knee + LR range test, then goodput), probes timed",
 }
 
 
@@ -110,7 +123,7 @@ class Policy:
         """``static`` (static, tuned-static), ``finder``, ``schedule`` (ramps, warmup) or ``adaptive``."""
         if self.kind in ("static", "tuned-static"):
             return "static"
-        if self.kind in ADAPTIVE:
+        if self.kind in ADAPTIVE or self.kind == AUTO:
             return "adaptive"
         return "finder" if self.kind == "finder" else "schedule"
 
@@ -120,6 +133,8 @@ class Policy:
 
         if self.kind in ("static", "tuned-static", "finder"):
             return None
+        if self.kind == AUTO:
+            return c.Auto(min_size=min_size, max_size=max_size)  # only the workload's bounds
         if self.kind in ("ramp", "smith"):
             every = max(1, round(self.every_epochs * num_samples))
             return c.MultiplicativeStep(self.batch_size, 2, every_samples=every, max_size=self.end)
@@ -177,7 +192,7 @@ def parse_policy(spec: str) -> Policy:
     if text == "ramp-smith":  # doubling interval: the workload's smith_every_epochs (every_epochs 0)
         return Policy("ramp-smith", "smith", 512, 4096, 0.0)
     kind, _, arg = text.partition(":")
-    if kind in ADAPTIVE or kind == "finder":
+    if kind in ADAPTIVE or kind in (AUTO, "finder"):
         if arg:
             raise _bad(spec, f"{kind} takes no argument (its bounds come from the workload)")
         return Policy(kind, kind, 0, 0)
@@ -191,6 +206,8 @@ def parse_policy(spec: str) -> Policy:
         lr = _number(spec, opt[3:], "learning rate", allow_zero=False)
         return Policy(f"static:{n}@lr={lr:g}", "static", n, n, lr=lr)
     if kind == "tuned-static":
+        if arg == "grid":  # the workload's range: workload_grid() expands it once the workload is known
+            return Policy("tuned-static:grid", "tuned-static", 0, 0)
         n = _size(spec, arg, "batch size")
         return Policy(f"tuned-static:{n}", "tuned-static", n, n)
     if kind in ("ramp", "smith"):
@@ -231,6 +248,18 @@ def _expand_text(item: str) -> list[str]:
             lo *= 2
         return sizes
     return [item]
+
+
+def workload_grid(policies: Sequence[Policy], grid: tuple[int, int]) -> list[Policy]:
+    """``policies`` with ``tuned-static:grid`` replaced by ``tuned-static:A-B`` for the workload's ``grid = (A, B)``."""
+    out: list[Policy] = []
+    for p in policies:
+        if p.kind == "tuned-static" and p.batch_size == 0:
+            suffix = "" if p.lr_rule is None else f"@lr-rule={p.lr_rule}"
+            out += parse_policies(f"tuned-static:{grid[0]}-{grid[1]}{suffix}")
+        else:
+            out.append(p)
+    return list({p.name: p for p in out}.values())
 
 
 def parse_policies(specs: str | Sequence[str | Policy]) -> list[Policy]:

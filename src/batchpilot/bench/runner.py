@@ -45,8 +45,9 @@ from typing import Any
 
 import torch
 
+from .cache import BenchCache
 from .calibrate import Calibration, calibrate, size_grid, warm_up
-from .policies import DESCRIPTIONS, POLICY_HELP, TUNE_FACTORS, Policy, parse_policies, parse_policy
+from .policies import DESCRIPTIONS, POLICY_HELP, TUNE_FACTORS, Policy, parse_policies, parse_policy, workload_grid
 from .progress import Progress, run_line
 from .report import check_results
 from .specs import Plan, expand
@@ -167,6 +168,7 @@ def run_benchmark(
     resume: bool = False,
     device: str | torch.device = "cpu",
     target_window: int = 1,
+    cache_dir: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """Train ``workload`` under every policy for every seed and report the time to ``target_accuracy``.
 
@@ -192,6 +194,8 @@ def run_benchmark(
             last ``target_window`` evaluations is at or above it (1: the first evaluation at or above it).
             Use 4-8 with a finer ``eval_every`` when the accuracy fluctuates around the target at a
             constant LR, so that one lucky evaluation does not decide (docs/benchmark.md#how-robust-is-time-to-target).
+        cache_dir: Keep static runs and the calibration in this folder and reuse those an earlier bench with the
+            same settings left there (:mod:`.cache`; such runs carry ``"cached": true``). ``None``: no cache.
 
     Returns:
         The results dict, also written to ``out_dir/results.json`` (schema in docs/benchmark.md):
@@ -204,7 +208,7 @@ def run_benchmark(
             ``resume``, a ``results.json`` that is damaged or was run with other settings.
     """
     wl = get_workload(workload)
-    pols = parse_policies(policies)
+    pols = workload_grid(parse_policies(policies), wl.grid)
     seeds = [int(s) for s in seeds]
     if not seeds:
         raise ValueError("no seeds given; pass at least one, e.g. seeds=[0].")
@@ -238,15 +242,27 @@ def run_benchmark(
                          f"cannot hold more samples than there are (the LR would be scaled for a batch that never "
                          f"trains). Use sizes up to {n}.")
     sizes = size_grid(lo, hi, extra)
+    cache = None if cache_dir is None else BenchCache(cache_dir, wl, {
+        "target": target, "budget_s": budget_s, "eval_every": eval_every, "target_window": target_window,
+        "train_samples": n, "test_samples": len(test)}, dev)
+    cached_cal = None if cache is None or previous is not None else cache.load_calibration(sizes, calibrate_steps)
     if previous is not None:
         cal = Calibration.from_json(previous["calibration"])
         show.note(f"resuming {out / 'results.json'}: {len(previous['runs'])} runs done; reusing its calibration "
                   "(after a throwaway pass at each size, as the calibration's was the first session's warm-up)")
         warm_up(wl, train, sizes)
+    elif cached_cal is not None:
+        cal = cached_cal
+        show.note("reusing the cached calibration (after a throwaway pass at each size, the warm-up it gave before)")
+        warm_up(wl, train, sizes)
     else:
         show.note(f"calibrating step times at batch sizes {', '.join(map(str, sizes))} ...")
         cal = calibrate(wl, train, sizes, steps=calibrate_steps)
         show.note(f"calibration took {cal.seconds:.1f} s")
+        if cache is not None:
+            cache.save_calibration(cal, sizes, calibrate_steps)
+    if cache is not None and previous is not None:
+        cache.use_calibration(cal)
     finder = cal.finder_size(hi, among=size_grid(lo, hi))  # not the sizes calibrated for the policies
     show.note(f"finder picks batch {finder}")
 
@@ -284,6 +300,8 @@ def run_benchmark(
             "torch_threads": torch.get_num_threads(),
             "device": str(dev),
             "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+            "cache_dir": None if cache is None else str(cache.folder),
+            "calibration_cached": cached_cal is not None,
             "python": platform.python_version(),
             "platform": platform.platform(),
             "description": wl.description,
@@ -306,9 +324,15 @@ def run_benchmark(
             if (spec.name, seed) in done:
                 continue
             label = f"[{index}/{total}] {spec.name} seed {seed}"
-            show.start(label, budget_s)
-            run = train_one(wl, spec, seed, train, test, target=target, budget_s=budget_s, eval_every=eval_every,
-                         on_eval=show.on_eval, calibration=cal, target_window=target_window)
+            run = None if cache is None else cache.get(spec, seed)
+            if run is not None:
+                label += " (cached)"
+            else:
+                show.start(label, budget_s)
+                run = train_one(wl, spec, seed, train, test, target=target, budget_s=budget_s, eval_every=eval_every,
+                                on_eval=show.on_eval, calibration=cal, target_window=target_window)
+                if cache is not None:
+                    cache.put(spec, seed, run)
             results["runs"].append(run)
             finish_results(results)
             write_json(out / "results.json", results)

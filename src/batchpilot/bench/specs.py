@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..lr import lr_factor
-from .policies import ADAPTIVE, NOISE_EVERY, TUNE_FACTORS, Policy
+from .policies import ADAPTIVE, AUTO, NOISE_EVERY, TUNE_FACTORS, Policy
 
 __all__ = ["Plan", "RunSpec", "expand", "policy_specs"]
 
@@ -35,18 +35,27 @@ class RunSpec:
         make_controller: ``num_samples -> controller`` (returns ``None`` for a static batch).
         policies: The requested policies this run serves.
         grid: Whether it is a cell of an LR grid (its time counts in ``grid_search_total_s``).
+        auto: The automatic mode: ``Pilot(batch_size="auto", controller=make_controller(n))``; ``batch_size`` is
+            then the probes' first size, ``lr`` is ``None`` (the range test finds it) and ``lr_rule`` is ``None``
+            (the Pilot's default, ``"auto"``) unless the policy named one.
     """
 
     name: str
     batch_size: int
     optimizer_lr: float
-    lr_rule: str
+    lr_rule: str | None
     base_batch_size: int
-    lr: float
+    lr: float | None
     noise_every: int | None = None
     make_controller: Callable[[int], Any] = field(default=lambda n: None, compare=False, repr=False)
     policies: tuple[str, ...] = ()
     grid: bool = False
+    auto: bool = False
+
+    @property
+    def static(self) -> bool:
+        """A fixed batch without a controller (what the bench's cache may keep: :mod:`.cache`)."""
+        return not self.auto and self.make_controller(1) is None
 
 
 @dataclass(frozen=True)
@@ -92,8 +101,19 @@ def _adaptive_spec(plan: Plan, policy: Policy) -> RunSpec:
                    policies=(policy.name,))
 
 
+def _auto_spec(plan: Plan, policy: Policy) -> RunSpec:
+    """``auto``: the optimizer gets the workload's base LR (the range test sweeps around it); no
+    ``base_batch_size`` (the LR curve is anchored at the knee the probes find)."""
+    lo, hi = plan.min_size, plan.max_size
+    return RunSpec(policy.name, lo, plan.base_lr, policy.lr_rule, plan.base_batch_size, None, noise_every=NOISE_EVERY,
+                   make_controller=functools.partial(policy.make_controller, min_size=lo, max_size=hi),
+                   policies=(policy.name,), auto=True)
+
+
 def policy_specs(plan: Plan, policy: Policy) -> list[RunSpec]:
     """The run specs of one policy (several for ``tuned-static``)."""
+    if policy.kind == AUTO:
+        return [_auto_spec(plan, policy)]
     if policy.lr_rule is not None and policy.kind not in ADAPTIVE:
         base = replace(policy, name=policy.name.partition("@lr-rule=")[0], lr_rule=None)
         specs = policy_specs(replace(plan, lr_rule=policy.lr_rule), base)

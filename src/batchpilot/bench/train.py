@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,18 +74,21 @@ class _Run:
         self.eval_s = 0.0
         self.cost_s = 0.0  # cost-model time so far
         self.noise_scale: float | None = None
+        self.noise_count: Any = None  # the engine's stats/noise_count: it moves on a step that measured statistics
+        self.probe_cost_s: float | None = None  # cost-model time of auto's start probes (counted at the first step)
 
     def train_time(self, now: float | None = None) -> float:
         return (time.perf_counter() if now is None else now) - self.start - self.excluded
 
-    def begin(self, batch_size: int) -> None:
+    def begin(self, batch_size: int | None) -> None:
+        """Start the clock (``batch_size`` ``None``: auto's, known after its probes)."""
         self.batch_sizes.append({"step": 0, "samples_seen": 0, "time_s": 0.0, "batch_size": batch_size})
         self.evaluate(0.0, 0, 0, batch_size)
         if self.reached is not None:  # the untrained model already meets the target: nothing to train
             self.done, self.stop_reason, self.stopped_at = True, "target", 0.0
         self.start = time.perf_counter()
 
-    def evaluate(self, t: float, step: int, samples: int, batch_size: int, final: bool = False) -> float:
+    def evaluate(self, t: float, step: int, samples: int, batch_size: int | None, final: bool = False) -> float:
         """Evaluate and record a curve point; one on the evaluation grid may reach the target, the ``final``
         one of a run that stopped between grid points (at the budget, say) only gives the final accuracy.
 
@@ -106,15 +111,26 @@ class _Run:
         self.on_eval(point, self)
         return acc
 
+    def _after_probes(self, pilot: Any) -> None:
+        """Auto's first step: its start size is the knee, and the probes' steps enter the cost model."""
+        probe = pilot.controller.probe
+        self.batch_sizes[0]["batch_size"] = self.curve[0]["batch_size"] = probe.start_size
+        if self.calibration is not None:
+            self.probe_cost_s = probe_cost(probe, pilot.controller, self.calibration)
+            self.cost_s += self.probe_cost_s
+
     def __call__(self, pilot: Any, record: dict[str, Any]) -> None:
         now = time.perf_counter()
         t = self.train_time(now)
         step, samples = record["step"], record["samples_seen"]
+        if self.batch_sizes[0]["batch_size"] is None:  # auto: the probes before this first step found its size
+            self._after_probes(pilot)
         self.last = {"step": step, "samples_seen": samples, "batch_size": self.batch_sizes[-1]["batch_size"]}
+        count = record.get("stats/noise_count")
+        measured = count is not None and count != self.noise_count  # this step measured gradient statistics
+        self.noise_count = count
         if self.calibration is not None:
-            # The engine measured gradient statistics on 0-based step indices divisible by noise_every.
-            probe = self.noise_every is not None and (step - 1) % self.noise_every == 0
-            self.cost_s += self.calibration.step_time(record["batch/global_size"], probe)
+            self.cost_s += self.calibration.step_time(record["batch/global_size"], measured)
         noise = record.get("stats/noise_scale")
         if isinstance(noise, (int, float)) and math.isfinite(noise):
             self.noise_scale = float(noise)
@@ -143,23 +159,70 @@ class _Run:
         self.excluded += time.perf_counter() - now  # bookkeeping and evaluation are not training
 
 
+def probe_cost(probe: Any, auto: Any, calibration: Calibration) -> float:
+    """Cost-model seconds of auto's start probes: ``warmup_steps + timed_steps`` steps at each size the throughput
+    sweep timed, and the rest of ``probe.steps`` (the LR range test) at the knee."""
+    per_size = auto.warmup_steps + auto.timed_steps
+    sweep = sum(per_size * calibration.step_time(size) for size, _ in probe.throughput)
+    rest = max(probe.steps - per_size * len(probe.throughput), 0)
+    return sweep + rest * calibration.step_time(probe.start_size)
+
+
+def _short(value: Any) -> Any:
+    """A log value for results.json: long lists (a rollback's losses) cut to their last 16 entries."""
+    return value[-16:] if isinstance(value, list) and len(value) > 16 else value
+
+
+def rollbacks_in_log(path: Path) -> list[dict[str, Any]]:
+    """The rollback decisions (``"decision/rollback": true``) of an adjustment log, each as its step and its
+    ``decision/`` and ``rollback/`` fields (lists cut to their last 16 entries)."""
+    from ..logs import read_log
+
+    if not path.is_file() or path.stat().st_size == 0:
+        return []
+    return [{k: _short(v) for k, v in r.items() if k in ("step", "samples_seen") or k.startswith(("decision/", "rollback"))}
+            for r in read_log(path) if r.get("type") == "decision" and r.get("decision/rollback") is True]
+
+
 def train_one(workload: Workload, spec: RunSpec, seed: int, train: TensorDataset, test: TensorDataset, *,
            target: float, budget_s: float, eval_every: float, on_eval: Callable[[dict[str, Any], _Run], None],
            calibration: Calibration | None = None, max_steps: int | None = None,
            target_window: int = 1) -> dict[str, Any]:
+    """Train one run (see the module docstring); every run writes its adjustment log to a temporary file, read
+    afterwards for its rollbacks (the same logging cost for every policy)."""
+    with tempfile.TemporaryDirectory(prefix="batchpilot-bench-") as tmp:
+        log_path = Path(tmp) / "log.jsonl"
+        run, pilot = _train(workload, spec, seed, train, test, target=target, budget_s=budget_s,
+                            eval_every=eval_every, on_eval=on_eval, calibration=calibration, max_steps=max_steps,
+                            target_window=target_window, log_path=log_path)
+        rollbacks = rollbacks_in_log(log_path)
+    return _result(spec, seed, run, pilot, rollbacks, calibration)
+
+
+def _train(workload: Workload, spec: RunSpec, seed: int, train: TensorDataset, test: TensorDataset, *,
+           target: float, budget_s: float, eval_every: float, on_eval: Callable[[dict[str, Any], _Run], None],
+           calibration: Calibration | None, max_steps: int | None, target_window: int, log_path: Path
+           ) -> tuple[_Run, Any]:
     from ..engine import Pilot
 
     model = workload.build_model(seed).to(train.tensors[0].device)  # the model goes where the data is
     optimizer = workload.make_optimizer(model.parameters(), spec.optimizer_lr)
-    pilot = Pilot(model, optimizer, train, batch_size=spec.batch_size, controller=spec.make_controller(len(train)),
-                  lr_rule=spec.lr_rule, base_batch_size=spec.base_batch_size, seed=seed, progress=False,
-                  noise_every=spec.noise_every)
+    controller = spec.make_controller(len(train))
+    settings: dict[str, Any] = {"seed": seed, "progress": False, "noise_every": spec.noise_every, "log_path": log_path}
+    size: int | str = spec.batch_size
+    if spec.auto:  # the Pilot's own defaults: lr_rule "auto" (unless the policy names one), anchored at the knee
+        size = "auto"
+        if spec.lr_rule is not None:
+            settings["lr_rule"] = spec.lr_rule
+    else:
+        settings.update(lr_rule=spec.lr_rule, base_batch_size=spec.base_batch_size)
+    pilot = Pilot(model, optimizer, train, batch_size=size, controller=controller, **settings)
     run = _Run(model, test, len(train), target, budget_s, eval_every, on_eval, calibration, spec.noise_every,
                target_window)
     pilot.add_callback(run)
     loss_fn = workload.loss_fn
     model.train()
-    run.begin(spec.batch_size)
+    run.begin(None if spec.auto else spec.batch_size)  # the clock starts here: auto's probes run inside it
     # A generous epoch limit: the callback stops the run (target reached, budget spent, diverged).
     batches = pilot.batches(epochs=1_000_000, max_steps=max_steps)
     try:
@@ -170,11 +233,19 @@ def train_one(workload: Workload, spec: RunSpec, seed: int, train: TensorDataset
     finally:
         batches.close()
         pilot.close()
+    return run, pilot
+
+
+def _result(spec: RunSpec, seed: int, run: _Run, pilot: Any, rollbacks: list[dict[str, Any]],
+            calibration: Calibration | None) -> dict[str, Any]:
+    """The run's dict for results.json."""
     wall = run.stopped_at if run.stopped_at is not None else run.train_time()
     if run.curve[-1]["samples_seen"] != run.last["samples_seen"]:  # the run ended between evaluations
         # The policy's size of the last step trained (batch_sizes[-1] may be a next size never trained).
         run.evaluate(wall, run.last["step"], run.last["samples_seen"], run.last["batch_size"], final=True)
     reached = run.reached
+
+    probe = getattr(pilot.controller, "probe", None) if spec.auto else None
 
     def at_target(key: str) -> Any:
         return None if reached is None else reached[key]
@@ -184,8 +255,11 @@ def train_one(workload: Workload, spec: RunSpec, seed: int, train: TensorDataset
         "seed": seed,
         "serves": list(spec.policies),
         "grid": spec.grid,
-        "lr": spec.lr,
-        "lr_rule": spec.lr_rule,
+        "lr": probe.lr if probe is not None else spec.lr,
+        "lr_rule": pilot.config.lr.lr_rule if spec.auto else spec.lr_rule,
+        "rollbacks": len(rollbacks),
+        "rollback_records": rollbacks,
+        "probe": None if probe is None else {**probe.to_dict(), "cost_model_s": run.probe_cost_s},
         "time_to_target_s": at_target("time_s"),
         "cost_model_time_to_target_s": at_target("cost_s") if calibration is not None else None,
         "steps_to_target": at_target("step"),
