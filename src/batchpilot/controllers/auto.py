@@ -97,7 +97,7 @@ class Auto:
         min_size, max_size: The sweep's first size and its upper bound; every later decision lies in
             ``[start size, max_size]``.
         min_gain: A doubling of the batch must raise the measured throughput by at least this factor to be taken
-            (default 1.25; see :func:`pick_knee`).
+            (default 1.2; see :func:`pick_knee`).
         timed_steps: Steps timed per size (their median is the size's throughput), after ``warmup_steps``.
         warmup_steps: Untimed steps at each size first (allocator, kernels, a refilled prefetch).
         min_epoch_steps: The sweep stays at sizes that leave an epoch at least this many steps.
@@ -122,8 +122,8 @@ class Auto:
         min_size: int = 32,
         max_size: int = 4096,
         *,
-        min_gain: float = 1.25,
-        timed_steps: int = 3,
+        min_gain: float = 1.2,
+        timed_steps: int = 5,
         warmup_steps: int = 1,
         min_epoch_steps: int = 16,
         lr_steps: int = 100,
@@ -137,7 +137,7 @@ class Auto:
     ) -> None:
         self.min_size, self.max_size = check_size_bounds(min_size, max_size)
         self.min_gain = check_real(min_gain, "min_gain", low=1.0,
-                                   hint=" It is a factor: 1.25 = a doubling must buy 25% more samples/s.")
+                                   hint=" It is a factor: 1.2 = a doubling must buy 20% more samples/s.")
         self.timed_steps = check_positive_int(timed_steps, "timed_steps")
         self.warmup_steps = check_positive_int(warmup_steps, "warmup_steps", minimum=0)
         self.min_epoch_steps = check_positive_int(min_epoch_steps, "min_epoch_steps")

@@ -290,7 +290,7 @@ def checked(config: PilotConfig, *, batch_size: Any, controller: Any, optimizer:
         skip_nonfinite=lambda: check_bool(prec.skip_nonfinite, "skip_nonfinite"),
         progress=lambda: config.logs.progress is None or check_bool(config.logs.progress, "progress"),
         lr_schedulers=lambda: _check_schedulers(lr.lr_schedulers, optimizer),
-        lr_rule=lambda: check_rule(lr.lr_rule, "lr_rule", also=("adascale",)),  # the message names every rule
+        lr_rule=lambda: check_rule(lr.lr_rule, "lr_rule", also=("auto", "adascale")),  # the message names every rule
         lr_knee=lambda: check_positive_int(lr.lr_knee, "lr_knee"),
     )
     if not problems and ckpt.checkpoint_every is not None and ckpt.checkpoint_dir is None:

@@ -30,6 +30,7 @@ from .config import PilotSettings, checked, merge_settings, stop_samples
 from .driver import Decisions, SizeDriver
 from .finish import finish_step
 from .placement import engine_reduces_gradients, resolve_world, training_device
+from .probes import adopt_anchor, lr_config, resolve_auto, run_probes
 from .replay import StepReplay
 from .state import PilotState, find_checkpoint, rescale_lr
 from .step_end import Gradients, StepEnd, StepLog, lr_rules
@@ -43,7 +44,8 @@ class Pilot:
             either order; checkpoints hold the bare module's weights).
         optimizer: Its optimizer.
         dataset: A map-style dataset with ``__len__``.
-        batch_size: Global batch size of the first step.
+        batch_size: Global batch size of the first step, or ``"auto"``: the automatic mode (docs/auto.md), whose
+            controller is :class:`~batchpilot.controllers.Auto` and whose start probes find the size and the LR.
         controller: A :class:`~batchpilot.controllers.Controller`, or any callable
             ``(step, current_size) -> size`` (seed 003's scheduler signature); ``None`` keeps the size.
         **settings: The settings, by group (``data=DataConfig(num_workers=2)``; ``decisions``, ``lr``, ``data``,
@@ -55,10 +57,11 @@ class Pilot:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: torch.utils.data.Dataset,
-                 *, batch_size: int, controller: Controller | Callable[[int, int], int] | None = None,
+                 *, batch_size: int | str, controller: Controller | Callable[[int, int], int] | None = None,
                  **settings: Unpack[PilotSettings]) -> None:
-        batch_size, self.config = checked(merge_settings(settings), batch_size=batch_size, controller=controller,
-                                          optimizer=optimizer, model=model)
+        batch_size, controller, config, self._auto = resolve_auto(batch_size, controller, merge_settings(settings))
+        batch_size, self.config = checked(config, batch_size=batch_size, controller=controller, optimizer=optimizer,
+                                          model=model)
         cfg, mem, prec = self.config, self.config.memory, self.config.precision
         self.model, self.optimizer = model, optimizer
         self._module, self._ddp_model = unwrap(model)  # the bare module (what checkpoints hold), the DDP wrapper
@@ -77,7 +80,7 @@ class Pilot:
             controller, batch_size=batch_size, num_samples=self.num_samples, **vars(cfg.decisions), rank=self.rank,
             names=("controller", "batch_size"), world_size=self.world_size, label="controller")
         self.controller = self.driver.controller
-        self.coupling, self.adascale, self._couple = lr_rules(optimizer, cfg.lr, batch_size)
+        self.coupling, self.adascale, self._couple = lr_rules(optimizer, lr_config(cfg.lr), batch_size)
         self.lr_schedulers = list(cfg.lr.lr_schedulers)
         self.scaler = torch.amp.GradScaler(self.device.type) if prec.amp == "fp16" else None
         self._lead = self.rank == 0
@@ -116,6 +119,7 @@ class Pilot:
         self.last_record: dict[str, Any] = {}
         self._overhead_clean = False  # whether this step's time outside its micro-batches is a fair sample
         self._rewinds_seen = self.loader.rewinds
+        self.probing = False  # the micro-batches yielded now belong to the automatic mode's start probes
 
     # ------------------------------------------------------------------ properties
     @property
@@ -215,6 +219,8 @@ class Pilot:
                 or (max_samples is not None and self.samples_seen >= max_samples)
             )
 
+        if self._auto and not done():
+            yield from run_probes(self)  # the automatic mode's start probes, once per run (engine/probes.py)
         if self._couple and not self.coupling.is_scaled:
             self.coupling.scale(self.loader.next_step_size())
         self._step_end.refresh_params()
@@ -313,6 +319,8 @@ class Pilot:
                 problems are listed, and nothing is loaded.
         """
         self._between_steps("load_state_dict()")
+        if self._auto:
+            adopt_anchor(self, state)  # the LR rules' anchor: the knee the state's probes found
         self.skipped_steps, self._decisions.override = self._state.load_state_dict(state)
         self._log.dropped = self.loader.sampler.dropped_samples
 

@@ -121,6 +121,12 @@ class LRCoupling:
         """Whether the optimizer's LRs currently include the factor."""
         return self._scaled
 
+    def rebase(self, base_batch_size: int) -> None:
+        """Anchor the rule at another ``base_batch_size`` (from the next :meth:`scale` on; the automatic mode
+        anchors it at the knee its probes find)."""
+        self.base_batch_size = check_batch_size(base_batch_size, "base_batch_size")
+        self._factor_cache.clear()
+
     def factor_for(self, batch_size: int) -> float:
         """``lr_factor(self.rule, batch_size, self.base_batch_size, self.knee)`` (cached: it runs every step)."""
         # Only a plain int hits the cache: 64.0 and True equal the keys 64 and 1, but lr_factor refuses them.
