@@ -13,6 +13,7 @@ from torch.utils.data import TensorDataset
 
 import batchpilot
 from batchpilot.controllers import Auto, Goodput
+from batchpilot.lr.range_test import loss_fell, smoothed_losses, valley_lr
 
 
 def problem(n: int = 240, seed: int = 0):
@@ -105,7 +106,8 @@ def test_an_explicit_lr_rule_skips_the_range_test_and_keeps_the_optimizers_lr():
 
 def test_the_state_round_trips_and_a_resumed_run_does_not_probe_again():
     data, model = problem()
-    pilot = auto_pilot(model, data, controller=Auto(16, 64, lr_steps=15, interval=5, min_measurements=0),
+    # max_size == min_size: Goodput decides from measured step times, which a rerun does not repeat.
+    pilot = auto_pilot(model, data, controller=Auto(16, 16, lr_steps=15, interval=5, min_measurements=0),
                        noise_every=2)
     train(pilot, model, steps=10)
     state = copy.deepcopy(pilot.state_dict())  # (a state_dict shares the live tensors)
@@ -114,10 +116,11 @@ def test_the_state_round_trips_and_a_resumed_run_does_not_probe_again():
     with torch.no_grad():
         for p in model2.parameters():
             p.add_(1.0)  # the state's weights replace these
-    other = auto_pilot(model2, data2, controller=Auto(16, 64, lr_steps=15, interval=5, min_measurements=0),
+    other = auto_pilot(model2, data2, controller=Auto(16, 16, lr_steps=15, interval=5, min_measurements=0),
                        noise_every=2)
     other.load_state_dict(state)
     assert other.controller.probe == pilot.controller.probe
+    assert other.controller.state_dict() == state["controller"] and state["controller"]["goodput"]["period"] > 0
     assert other.adascale.base_batch_size == pilot.controller.probe.start_size
     resumed = train(other, model2, steps=30)
     assert resumed["probe_samples"] == 0
@@ -190,3 +193,14 @@ def test_an_optimizer_without_an_lr_cannot_be_range_tested():
     with pytest.raises(ValueError, match="relative to the optimizer's LR"):
         train(pilot, model, steps=1)
     assert pilot.controller.probe is None and pilot.step == 0
+
+
+def test_the_range_tests_reading_valley_and_noise():
+    lrs = [10 ** (-4 + i / 10) for i in range(50)]  # 1e-4 .. ~8
+    curve = [2.3 - 0.3 * max(0.0, min(1.0, (i - 20) / 15)) + (0.9 if i > 44 else 0.0) for i in range(50)]
+    smoothed = smoothed_losses(curve)
+    assert loss_fell(curve, smoothed)
+    assert lrs[30] < valley_lr(lrs, smoothed) < lrs[46]  # the middle of the flat bottom, below the blow-up
+    g = torch.Generator().manual_seed(0)
+    flat = [0.7 + 0.03 * float(torch.randn(1, generator=g)) for _ in range(50)]
+    assert not loss_fell(flat, smoothed_losses(flat))  # noise only: the test says nothing about the LR

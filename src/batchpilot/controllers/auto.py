@@ -34,8 +34,9 @@ class ProbeResult:
         start_size: The knee: the global batch size the run starts at.
         throughput: ``((size, samples per second), ...)`` for each size the sweep timed, ascending.
         bound: What ended the sweep (see :data:`BOUNDS`).
-        lr: The LR the run starts with at ``start_size`` (the range test's suggestion); ``None`` when the range
-            test was skipped (an explicit ``lr_rule`` other than ``"auto"``: the optimizer's LR is kept).
+        lr: The LR the run starts with at ``start_size`` (the range test's suggestion, or the optimizer's LR when
+            the test's loss did not fall beyond its noise); ``None`` when the range test was skipped (an explicit
+            ``lr_rule`` other than ``"auto"``: the optimizer's LR is kept).
         lr_at_min: The LR at the range test's smoothed-loss minimum (``None`` without a range test).
         seconds: Wall time of all probes (sweep, range test and restoring the pre-probe state).
         steps: Probe steps run (none of them is a training step).

@@ -11,7 +11,8 @@ sees more micro-batches; each probe step goes through the normal accumulation, b
    the micro-batch bound is then kept).
 2. **LR range test** at the knee (Smith 2017): ``lr_steps`` steps with the LR growing exponentially over
    ``lr_range`` times the optimizer's LR, stopped when the smoothed loss diverges; the run's LR is
-   ``lr_fraction`` x the centre of the loss valley (:func:`~batchpilot.lr.range_test.valley_lr`).
+   ``lr_fraction`` x the centre of the loss valley (:func:`~batchpilot.lr.range_test.valley_lr`), or the
+   optimizer's own LR when the loss did not fall beyond its noise (:func:`~batchpilot.lr.range_test.loss_fell`).
 3. **Back to the start.** The pre-probe snapshot is restored (weights, optimizer, data position, RNG,
    statistics): probe steps are no training steps and their samples are not trained on, so coverage stays
    exact. The run starts at the knee with the found LR, anchored there: with ``lr_rule="auto"`` the LR of any
@@ -36,7 +37,7 @@ import torch
 
 from .. import distributed as bpdist
 from ..controllers.auto import Auto, ProbeResult, pick_knee
-from ..lr.range_test import diverged, min_loss_lr, smoothed_losses, valley_lr
+from ..lr.range_test import diverged, loss_fell, min_loss_lr, smoothed_losses, valley_lr
 from .config import LRConfig, PilotConfig
 from .snapshot import restore_snapshot, take_snapshot
 
@@ -258,10 +259,12 @@ def _range_test(pilot: Any, runner: _ProbeSteps, auto: Auto, knee: int) -> Gener
                            "and the loss, or lower the optimizer's LR (the test starts at "
                            f"{auto.lr_range[0]:g} x it).")
     smoothed = smoothed_losses(losses[:finite])
-    lr = _agree_float(pilot, auto.lr_fraction * valley_lr(lrs[:finite], smoothed))
+    # A loss that did not fall beyond its own noise says nothing about the LR: keep the optimizer's.
+    fell = loss_fell(losses[:finite], smoothed)
+    lr = _agree_float(pilot, auto.lr_fraction * valley_lr(lrs[:finite], smoothed) if fell else ref)
     at_min = _agree_float(pilot, min_loss_lr(lrs[:finite], smoothed))
     _log(pilot, {"phase": "lr_range_test", "batch_size": knee, "steps": len(steps), "lr": lr, "lr_at_min": at_min,
-                 "lrs": lrs, "losses": losses})
+                 "loss_fell": fell, "lrs": lrs, "losses": losses})
     return lr, at_min
 
 

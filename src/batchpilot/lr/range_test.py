@@ -24,7 +24,7 @@ import torch
 
 from .._plotting import figures, finish
 
-__all__ = ["LRRangeTest", "diverged", "lr_range_test", "min_loss_lr", "smoothed_losses", "steepest_lr",
+__all__ = ["LRRangeTest", "diverged", "loss_fell", "lr_range_test", "min_loss_lr", "smoothed_losses", "steepest_lr",
            "valley_lr"]
 
 
@@ -196,6 +196,23 @@ def min_loss_lr(lrs: Sequence[float], smoothed: Sequence[float]) -> float:
         raise ValueError(f"min_loss_lr() needs one smoothed loss per LR, got {len(lrs)} LRs and {len(smoothed)} "
                          "losses.")
     return lrs[min(range(len(smoothed)), key=smoothed.__getitem__)]
+
+
+def loss_fell(losses: Sequence[float], smoothed: Sequence[float], smoothing: float = 0.9,
+              sigmas: float = 3.0) -> bool:
+    """Whether the smoothed loss fell by more than its own noise before its minimum (after the average's start-up,
+    its first ``1 / (1 - smoothing)`` points): by ``sigmas`` standard deviations of the moving average, ``sqrt((1 - smoothing) / (1 + smoothing))`` times the spread of the single
+    losses around it. Where it did not (a loss that barely moves in the test's few steps, as a transformer's
+    with Adam on seqsum can), the test says nothing about the LR and its minimum is noise."""
+    best = min(range(len(smoothed)), key=smoothed.__getitem__)
+    window = round(1 / (1 - smoothing))  # the moving average's start-up: its first points are single losses
+    if best <= window:
+        return False
+    residuals = [x - m for x, m in zip(losses[: best + 1], smoothed[: best + 1])]
+    mean = sum(residuals) / len(residuals)
+    spread = math.sqrt(sum((r - mean) ** 2 for r in residuals) / (len(residuals) - 1))
+    noise = spread * math.sqrt((1 - smoothing) / (1 + smoothing))
+    return max(smoothed[window : best + 1]) - smoothed[best] > sigmas * noise
 
 
 def valley_lr(lrs: Sequence[float], smoothed: Sequence[float], depth: float = 0.5) -> float:
