@@ -95,19 +95,24 @@ def test_noise_measurement_every_k_steps_only_splits_those_steps(tmp_path):
     assert "stats/noise_scale" in records[-1]
 
 
-def test_a_controller_that_reads_noise_gets_it_every_16th_step_with_a_400_step_memory():
+def test_a_controller_that_reads_noise_gets_the_adaptive_period_with_a_400_step_memory():
+    from batchpilot.measure import DECAY_PER_STEP, MIN_SPLIT_PERIOD
+
     ds, model, _, _ = least_squares(n=5000)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     pilot = batchpilot.Pilot(model, opt, ds, batch_size=32, controller=batchpilot.controllers.NoiseScale())
     split = []
-    for x, y in pilot.batches(max_steps=40):
+    for x, y in pilot.batches(max_steps=3 * MIN_SPLIT_PERIOD):
         if pilot.micro_batch.micro_index == 0:
             split.append(pilot.micro_batch.accumulation_steps == 2)
         pilot.backward(0.5 * ((model(x).view(-1) - y) ** 2).mean())
-    assert [s for s, is_split in enumerate(split) if is_split] == [0, 16, 32]
-    assert pilot.last_record["stats/noise_count"] == 3
-    # EMA decay per measurement 0.99 ** (16 / 4): the same ~400-step memory as 0.99 every 4th step.
-    assert pilot.state_dict()["noise"]["estimator"]["ema_decay"] == pytest.approx(0.99**4)
+    # While the estimate is new (its error cannot be told yet), split steps are measured as often as allowed.
+    assert [s for s, is_split in enumerate(split) if is_split] == [0, MIN_SPLIT_PERIOD, 2 * MIN_SPLIT_PERIOD]
+    assert pilot.last_record["stats/noise_count"] == 3 and pilot.last_record["stats/noise_period"] < MIN_SPLIT_PERIOD
+    # Each measurement weighs the steps since the previous one: 0.99 per 4 steps, the ~400-step memory.
+    weight = pilot.state_dict()["noise"]["estimator"]["weight"]
+    assert weight == pytest.approx(1 - DECAY_PER_STEP ** (1 + 2 * MIN_SPLIT_PERIOD))
+    assert DECAY_PER_STEP**4 == pytest.approx(0.99)
 
 
 def test_no_gradient_statistics_unless_asked():

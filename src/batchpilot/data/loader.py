@@ -6,10 +6,10 @@ split into ``accumulation_steps`` near-equal micro-batches of at most ``max_micr
 
 Exact sizes with prefetching: with ``num_workers > 0`` torch's DataLoader asks the batch sampler for index
 lists ahead of consumption. Every planned micro-batch remembers the sampler position at the start of its
-step; when :meth:`set_batch_size` changes the size while micro-batches of later steps were already planned,
-the loader seeks the sampler back to the first unconsumed step and restarts the worker iterator (persistent
-workers drain their queue instead of restarting). Nothing prefetched under the old size reaches the
-consumer, and no index is lost or repeated. The cost is one discarded prefetch window per change.
+step; when :meth:`set_batch_size` changes the size while later steps were already planned, the loader seeks
+the sampler back to the first unconsumed step and restarts the worker iterator (persistent workers drain
+their queue). Nothing prefetched under the old size reaches the consumer, no index is lost or repeated; the
+cost is one discarded prefetch window per change.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from .micro_batch import (
     plan_accumulation_steps,
     plan_micro_batches,
     split_even,
+    wants_split,
 )
 from .sampler import AdaptiveBatchSampler
 
@@ -77,9 +78,11 @@ class AdaptiveDataLoader:
             numbers), so that a step run again draws what its first run drew.
 
     Attributes:
-        split_every: When set (and ``accumulation_steps`` is not), every step whose index it divides gets at
+        split_every: When set (and ``accumulation_steps`` is not), every step whose index it divides (an int),
+            or for whose index it returns True (a function, e.g. an adaptive noise probe's ``splits``), gets at
             least 2 micro-batches (never more than the global batch has samples per rank): the two half-batches
-            of a gradient-noise measurement.
+            of a gradient-noise measurement. A function is asked again before a step planned ahead (workers)
+            is consumed; a changed answer rewinds like a size change.
         step_start_rng: See ``rng_device``; ``None`` until a step starts.
     """
 
@@ -136,7 +139,7 @@ class AdaptiveDataLoader:
         extra = dict(dataloader_kwargs or {})
         check_dataloader_kwargs(extra)
         self.collate_fn = collate_fn or default_collate
-        self.split_every: int | None = None  # see the class docstring
+        self.split_every: int | Callable[[int], bool] | None = None  # see the class docstring
         self.step_start_rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._rng_device = None if rng_device is None else torch.device(rng_device)
         self.rewinds = 0  # how often a size change discarded prefetched micro-batches
@@ -168,8 +171,8 @@ class AdaptiveDataLoader:
             self._rewind()
 
     def epochs_done(self) -> int:
-        """Full passes completed before the next step: ``position()``'s epoch, plus one when all that is
-        left of the epoch is a tail that ``drop_last`` will drop (call between steps)."""
+        """Full passes done before the next step: ``position()``'s epoch, +1 when all that is left of the
+        epoch is a tail ``drop_last`` drops (call between steps)."""
         self._drop_stale_plans()
         if self._planned:
             return self._planned[0].position.epoch
@@ -262,16 +265,23 @@ class AdaptiveDataLoader:
         if batch is None:
             return None
         step = self._next_step
-        accumulation_steps = plan_accumulation_steps(
-            len(batch), sampler.world_size, accumulation_steps=self.accumulation_steps,
-            max_micro_batch_size=self.max_micro_batch_size,
-            split=self.split_every is not None and step % self.split_every == 0,
-        )
+        accumulation_steps = self._accumulation_for(len(batch), step)
         self._next_step += 1
         parts = plan_micro_batches(batch, sampler.local_share(batch), accumulation_steps, position, step)
         self._planned.extend(parts)
         self._share_first_unused()
         return parts
+
+    def _accumulation_for(self, size: int, step: int) -> int:
+        return plan_accumulation_steps(size, self.sampler.world_size, accumulation_steps=self.accumulation_steps,
+                                       max_micro_batch_size=self.max_micro_batch_size,
+                                       split=wants_split(self.split_every, step))
+
+    def _split_changed(self) -> bool:
+        """Whether the step about to be consumed was planned ahead with another split than asked for now."""
+        first = self._planned[0]
+        return first.micro_index == 0 and callable(self.split_every) and \
+            first.accumulation_steps != self._accumulation_for(first.global_batch_size, first.step)
 
     def _emit(self) -> Iterator[list[int]]:
         """Plan the remaining steps of the current epoch; yield each micro-batch's index list."""
@@ -325,10 +335,11 @@ class AdaptiveDataLoader:
             yield self._consume(data)
 
     def _iter_workers(self, feed: WorkerFeed) -> Iterator[MicroBatch]:
-        # Every loop starts a new worker iteration at the sampler's position (__iter__ rewound anything
-        # planned before): a loop may have ended at an epoch's end without reading the old one to its end.
+        # A new worker iteration at the sampler's position: the last loop may have left the old one unfinished.
         feed.restart()
         while True:
+            if self._planned and self._split_changed():  # (between steps) plan it again with the split asked now
+                self._rewind()
             while not self._planned and not feed.exhausted:
                 feed.pull(nothing_planned=True)
             if not self._planned:
@@ -342,8 +353,7 @@ class AdaptiveDataLoader:
                 self._step_starts()  # (without workers, _emit calls it before the DataLoader fetches)
             yield micro
 
-    def _consume(self, data: Any) -> MicroBatch:
-        """The first planned micro-batch, fetched as ``data``, leaves the plan."""
+    def _consume(self, data: Any) -> MicroBatch:  # the first planned micro-batch, fetched, leaves the plan
         planned = self._planned.popleft()
         self._share_first_unused()
         self._current = planned
@@ -382,12 +392,8 @@ class AdaptiveDataLoader:
 
     def close(self) -> None:
         """Stop the worker processes now; the position is kept and the next ``for`` loop starts new ones.
-
-        Without it, persistent workers stop when the loader is garbage-collected. The loader is part of a
-        reference cycle (its DataLoader's batch sampler points back to it), so that happens in a cyclic
-        garbage collection, after multiprocessing has already closed the workers' queues; each worker then
-        stops only at torch's join timeout (about 5 s per worker).
-        """
+        Without it persistent workers stop only in a cyclic garbage collection (the DataLoader's batch sampler
+        points back here), after multiprocessing closed their queues: at torch's join timeout, ~5 s each."""
         if self._planned:
             self._rewind()  # forget what was prefetched: the next loop plans it again
         if self._feed is not None:

@@ -7,6 +7,7 @@ sample of the step, to be weighted 0, so that it still runs forward and backward
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +88,13 @@ def accumulation_steps_for(global_batch_size: int, world_size: int, max_micro_ba
 def split_even(n: int, parts: int) -> list[tuple[int, int]]:
     """Split ``range(n)`` into ``parts`` contiguous pieces whose sizes differ by at most one."""
     return [share_bounds(n, i, parts) for i in range(parts)]
+
+
+def wants_split(split_every: int | Callable[[int], bool] | None, step: int) -> bool:
+    """Whether ``split_every`` (a period, a function of the step index, or ``None``) asks to split ``step``."""
+    if split_every is None:
+        return False
+    return bool(split_every(step)) if callable(split_every) else step % split_every == 0
 
 
 def plan_accumulation_steps(global_batch_size: int, world_size: int, *, accumulation_steps: int | None,

@@ -50,7 +50,7 @@ class Accumulation:
         if micro.micro_index == 0:
             self.replay.snapshot()  # (no forward ran since the loader fetched it: the step's start)
             if self.noise is not None:
-                self.noise.begin_step(micro.step)
+                self.noise.begin_step(micro.step, small_batches=micro.accumulation_steps >= 2)
         data = to_device(micro.data, self.device)
         self.meter.begin_micro()
         if self.ddp_model is None and self.autocast is None:
@@ -123,7 +123,7 @@ class Accumulation:
                 to_mean *= float(self.scaler.get_scale())
             # On one process DDP's all-reduce changes nothing: the last micro-batch's .grad is still its own.
             synced = self.ddp_syncs and micro.is_last and self.world_size > 1
-            self.noise.after_backward(micro_batch_size, to_mean, synced=synced)
+            self.noise.after_backward(micro_batch_size, to_mean, synced=synced, last=micro.is_last)
 
 
 def to_device(data: Any, device: torch.device) -> Any:

@@ -95,7 +95,7 @@ class PilotState:
                   world_size=self.world_size)
         in_loop = self.coupling.is_scaled  # loaded between steps of batches() (from a callback)
         drop_last, max_micro_batch_size = loader.sampler.drop_last, loader.max_micro_batch_size  # this Pilot's
-        noise_every = None if self.noise is None else self.noise.every
+        noise_every = None if self.noise is None or self.noise.adaptive else self.noise.every
         if in_loop:
             self.coupling.unscale()
         try:

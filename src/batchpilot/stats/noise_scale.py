@@ -85,7 +85,8 @@ def two_batch_estimates(
     Techniques*, 1977, Thm. 2.2; ``tr(Sigma)`` with the ``N - 1`` normalisation). With ``population=N``
     the estimate uses it: ``tr(Sigma)`` is unchanged (the ``1/N`` cancels in the difference) and ``|G|^2``
     gains ``tr(Sigma) / N``. Without it ``|G|^2`` reads low by that much, so ``B_simple`` reads high by a
-    factor of about ``1 + B_simple / N``: 20% at ``B_simple = 389`` in 2,000 samples.
+    factor of exactly ``1 / (1 - B_simple / N)`` (``1 + B_simple / N`` only to first order): 24% at
+    ``B_simple = 389`` in 2,000 samples.
 
     Args:
         b_small: Samples behind ``sq_norm_small`` (the harmonic mean of the sizes when it is a mean of
@@ -171,6 +172,12 @@ def small_big_from_micro(
     return b_small, sq_small, float(sum(n for _, n in pairs)), _check_sq_norm(sq_norm_big, "sq_norm_big")
 
 
+def _check_decay(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= float(value) < 1:
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}; 0.95 averages over about 20 updates.")
+    return float(value)
+
+
 class NoiseScaleEstimator:
     """Smoothed gradient noise scale ``B_simple = tr(Sigma) / |G|^2`` (McCandlish et al. 2018, App. A.1).
 
@@ -178,6 +185,12 @@ class NoiseScaleEstimator:
     denominator are smoothed by *separate* exponential moving averages with start-up correction
     ``1 - decay^t`` (so the first update is not shrunk towards zero), then divided. Pure Python floats:
     no tensors, no communication, negligible cost.
+
+    The decay may differ per update (``update(..., decay=d)``, e.g. ``0.99 ** (steps since the last update /
+    4)`` for a time constant in steps whatever the measuring period); the correction then divides by the sum
+    of the weights, ``1 - prod(d)``, which is ``1 - decay^t`` for a constant decay. :attr:`relative_error`
+    estimates the standard error of :attr:`b_simple` from the spread of the single estimates (what an
+    adaptive measuring period reads).
 
     Args:
         ema_decay: Weight of the past in each EMA, in ``[0, 1)``; the effective window is about
@@ -188,41 +201,80 @@ class NoiseScaleEstimator:
     """
 
     def __init__(self, ema_decay: float = 0.95) -> None:
-        if isinstance(ema_decay, bool) or not isinstance(ema_decay, numbers.Real) or not 0 <= ema_decay < 1:
-            raise ValueError(
-                f"ema_decay must be in [0, 1), got {ema_decay!r}; 0.95 averages over about 20 updates."
-            )
-        self.ema_decay: float = float(ema_decay)
+        self.ema_decay: float = _check_decay(ema_decay, "ema_decay")
         self._count: int = 0
         self._grad_sq_ema: float = 0.0  # EMA of the |G|^2 estimates (not yet corrected)
         self._trace_ema: float = 0.0  # EMA of the tr(Sigma) estimates
         self._biased_ema: float = 0.0  # EMA of the 0/1 "this update was biased" flags
+        self._weight: float = 0.0  # sum of the EMA weights: 1 - prod(decays), for the start-up correction
+        # For relative_error: the sum of the squared weights and EMAs of the products of the single estimates
+        # (|G|^2 squared, tr(Sigma) squared, their product), with the same weights as the means.
+        self._weight_sq: float = 0.0
+        self._moments: list[float] = [0.0, 0.0, 0.0]
 
     def update(
         self, b_small: float, sq_norm_small: float, b_big: float, sq_norm_big: float, *, biased: bool = False,
-        population: float | None = None,
+        population: float | None = None, decay: float | None = None,
     ) -> None:
         """Add one measurement (arguments, ``population`` included, as in :func:`two_batch_estimates`).
 
         Args:
             biased: The two batches were not honest independent draws at the same parameters (e.g. two
                 consecutive steps paired as a fallback); see :attr:`biased`.
+            decay: This update's weight of the past, in ``[0, 1)`` (``None``: :attr:`ema_decay`).
 
         Raises:
-            ValueError: invalid sizes or norms (see :func:`two_batch_estimates`); the state is unchanged.
+            ValueError: invalid sizes, norms or decay (see :func:`two_batch_estimates`); the state is unchanged.
         """
         grad_sq, trace = two_batch_estimates(b_small, sq_norm_small, b_big, sq_norm_big, population=population)
-        d = self.ema_decay
+        d = self.ema_decay if decay is None else _check_decay(decay, "decay")
+        a = 1.0 - d
         self._count += 1
-        self._grad_sq_ema = d * self._grad_sq_ema + (1.0 - d) * grad_sq
-        self._trace_ema = d * self._trace_ema + (1.0 - d) * trace
-        self._biased_ema = d * self._biased_ema + (1.0 - d) * float(bool(biased))
+        self._grad_sq_ema = d * self._grad_sq_ema + a * grad_sq
+        self._trace_ema = d * self._trace_ema + a * trace
+        self._biased_ema = d * self._biased_ema + a * float(bool(biased))
+        self._weight = d * self._weight + a
+        self._weight_sq = d * d * self._weight_sq + a * a
+        for i, product in enumerate((grad_sq * grad_sq, trace * trace, grad_sq * trace)):
+            self._moments[i] = d * self._moments[i] + a * product
 
     # ------------------------------------------------------------------ readings
     def _corrected(self, ema: float) -> float | None:
-        if self._count == 0:
+        if self._count == 0 or not self._weight > 0:
             return None
-        return ema / (1.0 - self.ema_decay**self._count)
+        return ema / self._weight
+
+    @property
+    def relative_error(self) -> float | None:
+        """Estimated relative standard error of :attr:`b_simple` (``None`` while it cannot be told: fewer than
+        about two effective updates, or a smoothed ``|G|^2`` or ``tr(Sigma)`` <= 0).
+
+        Delta method for the ratio of the two smoothed means: with ``u_i = T_i / T - G_i / G`` (``T_i, G_i``
+        the single estimates, ``T, G`` their smoothed means) the squared relative error is the weighted
+        variance of ``u`` times ``sum(w^2) / sum(w)^2`` (one over the effective number of updates), with
+        the small-sample factor ``n_eff / (n_eff - 1)``. A drifting estimate spreads the ``u_i`` too, so
+        it reads as uncertain, as it should.
+        """
+        spread = self._spread()
+        return None if spread is None else math.sqrt(spread[0] / spread[1])
+
+    def relative_error_at(self, effective_updates: float) -> float | None:
+        """The relative error :attr:`relative_error` would read with ``effective_updates`` effective updates
+        of the same spread (e.g. the steady state of another measuring period); ``None`` as there."""
+        spread = self._spread()
+        return None if spread is None else math.sqrt(spread[0] / effective_updates)
+
+    def _spread(self) -> tuple[float, float] | None:
+        """The weighted variance of ``u`` (see :attr:`relative_error`) and the effective number of updates."""
+        g, t = self.grad_sq_norm, self.trace_cov
+        w, w2 = self._weight, self._weight_sq
+        if g is None or t is None or not (g > 0 and t > 0 and w2 > 0):
+            return None
+        n_eff = w * w / w2
+        if n_eff < 2.0:
+            return None
+        gg, tt, gt = (m / w for m in self._moments)
+        return max(tt / (t * t) + gg / (g * g) - 2.0 * gt / (t * g), 0.0) * n_eff / (n_eff - 1.0), n_eff
 
     @property
     def count(self) -> int:
@@ -284,6 +336,9 @@ class NoiseScaleEstimator:
             "grad_sq_ema": self._grad_sq_ema,
             "trace_ema": self._trace_ema,
             "biased_ema": self._biased_ema,
+            "weight": self._weight,
+            "weight_sq": self._weight_sq,
+            "moments": list(self._moments),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -295,10 +350,18 @@ class NoiseScaleEstimator:
         """
         decay, count = float(state["ema_decay"]), int(state["count"])
         emas = [float(state[k]) for k in ("grad_sq_ema", "trace_ema", "biased_ema")]
-        if not 0 <= decay < 1 or count < 0 or not all(math.isfinite(v) for v in emas):
-            raise ValueError(f"invalid NoiseScaleEstimator state {state!r}: ema_decay in [0, 1), count >= 0, finite EMAs.")
+        # States saved before the per-update decay: the weights of a constant decay, and no spread yet (the
+        # relative error reads None until new updates have filled the moments).
+        weight = float(state.get("weight", 1.0 - decay**count))
+        weight_sq = float(state["weight_sq"]) if "weight_sq" in state else 0.0
+        moments = [float(v) for v in state.get("moments", [0.0, 0.0, 0.0])]
+        numbers_ok = all(math.isfinite(v) for v in [*emas, weight, weight_sq, *moments]) and len(moments) == 3
+        if not 0 <= decay < 1 or count < 0 or not numbers_ok or not 0 <= weight <= 1 or weight_sq < 0:
+            raise ValueError(f"invalid NoiseScaleEstimator state {state!r}: ema_decay in [0, 1), count >= 0, finite "
+                             "EMAs, weight in [0, 1], weight_sq >= 0, three moments.")
         self.ema_decay, self._count = decay, count
         self._grad_sq_ema, self._trace_ema, self._biased_ema = emas[0], emas[1], emas[2]
+        self._weight, self._weight_sq, self._moments = weight, weight_sq, moments
 
     def __repr__(self) -> str:
         return f"NoiseScaleEstimator(ema_decay={self.ema_decay}, count={self._count}, b_simple={self.b_simple})"
