@@ -52,14 +52,16 @@ def auto_pilot(model, data, tmp_path=None, **kwargs) -> batchpilot.Pilot:
     return batchpilot.Pilot(model, opt, data, batch_size="auto", controller=controller, log_path=log, **kwargs)
 
 
-def test_probes_keep_exact_coverage_and_the_run_is_the_hand_built_run_at_the_knee(tmp_path):
+@pytest.mark.parametrize(("workers", "micro"), [(0, None), (2, 8)])
+def test_probes_keep_exact_coverage_and_the_run_is_the_hand_built_run_at_the_knee(tmp_path, workers, micro):
     data, model = problem()
-    pilot = auto_pilot(model, data, tmp_path, seed=3)
+    pilot = auto_pilot(model, data, tmp_path, seed=3, num_workers=workers, max_micro_batch_size=micro)
     run = train(pilot, model, steps=45)  # 3 epochs of 240 at 16
     probe = pilot.controller.probe
     assert probe is not None and probe.start_size == 16 and probe.bound == "max_size"
     assert probe.lr is not None and probe.lr > 0 and probe.steps > 4
     assert run["probe_samples"] == 16 * probe.steps  # the loop saw the probe steps' micro-batches
+    pilot.close()
     assert pilot.step == 45 and pilot.samples_seen == 45 * 16  # probe steps are no training steps
     per_epoch: dict[int, list[int]] = {}
     for step in run["steps"]:
@@ -71,7 +73,7 @@ def test_probes_keep_exact_coverage_and_the_run_is_the_hand_built_run_at_the_kne
     data2, model2 = problem()
     opt2 = torch.optim.SGD(model2.parameters(), lr=probe.lr, momentum=0.9)
     plain = batchpilot.Pilot(model2, opt2, data2, batch_size=16, controller=Goodput(16, 16), lr_rule="adascale",
-                             seed=3)
+                             seed=3, num_workers=workers, max_micro_batch_size=micro)
     ref = train(plain, model2, steps=45)
     assert [s["indices"] for s in ref["steps"]] == [s["indices"] for s in run["steps"]]
     for a, b in zip(run["weights"], ref["weights"]):
