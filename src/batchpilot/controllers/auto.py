@@ -99,7 +99,7 @@ class Auto:
             ``[start size, max_size]``.
         min_gain: A doubling of the batch must raise the measured throughput by at least this factor to be taken
             (default 1.2; see :func:`pick_knee`).
-        timed_steps: Steps timed per size (their median is the size's throughput), after ``warmup_steps``.
+        timed_steps: Steps timed per size (the fastest gives the size's throughput), after ``warmup_steps``.
         warmup_steps: Untimed steps at each size first (allocator, kernels, a refilled prefetch).
         min_epoch_steps: The sweep stays at sizes that leave an epoch at least this many steps.
         lr_steps: Steps of the LR range test (Smith 2017) at the knee.
