@@ -180,6 +180,8 @@ class _ProbeSteps:
         replay.failed_micro_batch_size = None
         self.memory_bound = bound
         self.drop_open_step()
+        if self.pilot.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the failed step's cached blocks back
         return True
 
     def drop_open_step(self) -> None:
