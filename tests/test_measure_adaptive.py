@@ -183,7 +183,7 @@ def run(pilot: batchpilot.Pilot, model: torch.nn.Module, steps: int) -> list[tup
 def build(workers: int = 0) -> tuple[batchpilot.Pilot, torch.nn.Module]:
     ds, model = regression()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)  # the period goes up to 64 and back down within 400 steps
-    prefetch = {"prefetch_factor": 8} if workers else {}  # 16 micro-batches ahead: past a split period of 8
+    prefetch = {"prefetch_factor": 16} if workers else {}  # 32 micro-batches ahead: past a split period of 16
     return batchpilot.Pilot(model, opt, ds, batch_size=32, controller=KeepSize(), num_workers=workers,
                             progress=False, **prefetch), model
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -36,8 +36,8 @@ logger = logging.getLogger("batchpilot")
 def read_scalars(values: list[torch.Tensor]) -> list[float]:
     """The values of 0-dim tensors (a step's micro-batch losses) with one device-to-host copy: on a GPU a
     ``float()`` each would wait for the device once per tensor."""
-    if not values:
-        return []
+    if len(values) < 2:  # (the common case: one micro-batch) no stack to build
+        return [values[0].item()] if values else []
     first = values[0]
     return torch.stack([v.to(first.device, first.dtype) for v in values]).tolist()
 
@@ -157,7 +157,9 @@ class StepMeter:
         if not skipped and math.isfinite(loss):
             self.trend.update(loss)
         if self._micro_sizes:
-            seconds = [MicroTimer.seconds(s) for s in self._micro_seconds]
+            # On CPU the timings are floats already (CUDA event pairs are read here, once per step).
+            seconds = [MicroTimer.seconds(s) for s in self._micro_seconds] if self.timer.cuda else \
+                cast(list[float], self._micro_seconds)
             self.throughput.observe_step(self._micro_sizes, seconds,
                                          max(step_seconds, sum(seconds)) if overhead else None)
         self.discard_step()

@@ -47,7 +47,7 @@ DOUBLE_MARGIN = 0.8
 """Adaptive period: the period doubles only when the error predicted at twice the period is below this share of
 the target, so that the ordinary scatter of the error around its steady state does not halve it right back."""
 
-MIN_SPLIT_PERIOD = 8
+MIN_SPLIT_PERIOD = 16
 """Adaptive period: a step that must be split to be measured (+70-80% of a small step) is measured at most
 every this many steps; a step with its own small batches (several micro-batches, or ranks) every step."""
 
