@@ -139,9 +139,9 @@ class StatsConfig:
     """Measurements beyond the always-on loss trend and throughput model (time per micro-batch ``a + b*m``)."""
 
     noise_every: int | None = None
-    """Measure the gradient noise scale (McCandlish et al. 2018) every N steps (``None``: every 16 when the
-    controller reads gradient statistics or ``lr_rule="adascale"``, else never); about +4.5-5% per step at 16
-    on a small CNN (docs/statistics.md)."""
+    """Measure the gradient noise scale (McCandlish et al. 2018) every N steps (``None``: at an adaptive period
+    when the controller reads gradient statistics or ``lr_rule="adascale"``, else never: every 16 steps or
+    less often as the estimate settles, free small batches more often; docs/statistics.md)."""
     system_every: int | None = 100
     """Sample CPU/memory/GPU load every N steps (needs ``batchpilot[system]``; ``None``: off)."""
 
