@@ -47,7 +47,14 @@ class Observation:
 
 @runtime_checkable
 class Controller(Protocol):
-    """Decides the global batch size of the next step. Pure: no I/O, no communication, no ranks."""
+    """Decides the global batch size of the next step. Pure: no I/O, no communication, no ranks.
+
+    Optional class attributes a Pilot reads: ``adaptive = True`` (it decides from measurements: the rollback guard
+    watches its changes by default, docs/rollback.md), ``recommended_lr_rule`` (the ``lr_rule`` that
+    ``Pilot(lr_rule=None)`` uses, docs/lr.md) and ``required_stats``. An optional method
+    ``on_rollback(from_size, to_size, step) -> None`` is called (on rank 0) after the guard undid the change to
+    ``from_size``: training went back to ``to_size`` at ``step``, and the controller's state to what it was then.
+    """
 
     def decide(self, obs: Observation) -> int:
         """Return the global batch size of step ``obs.step``."""

@@ -108,6 +108,11 @@ class Goodput:
 
     required_stats: tuple[str, ...] = (NOISE_SCALE_KEY, A_KEY, B_KEY, OVERHEAD_KEY, MAX_MICRO_KEY, WORLD_KEY, ACCUM_KEY)
     """The ``obs.stats`` keys it reads (the engine switches the matching measurements on)."""
+    adaptive = True
+    """It decides from measurements: a Pilot's rollback guard watches its changes by default (docs/rollback.md)."""
+    recommended_lr_rule = "adascale"
+    """The LR coupling ``Pilot(lr_rule=None)`` uses with it: AdaScale's gain (Johnson et al. 2020), the LR
+    counterpart of the efficiency ``E(B)`` it maximises (Pollux couples the two the same way)."""
 
     def __init__(
         self,

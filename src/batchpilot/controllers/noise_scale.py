@@ -80,6 +80,11 @@ class NoiseScale:
 
     required_stats: tuple[str, ...] = (NOISE_SCALE_KEY,)
     """The ``obs.stats`` keys it reads (the engine switches the matching measurements on)."""
+    adaptive = True
+    """It decides from measurements: a Pilot's rollback guard watches its changes by default (docs/rollback.md)."""
+    recommended_lr_rule = "adascale"
+    """The LR coupling ``Pilot(lr_rule=None)`` uses with it: AdaScale's gain (Johnson et al. 2020), which follows
+    the measured noise and cannot multiply the LR blindly the way the linear rule does on every doubling."""
 
     def __init__(
         self,

@@ -81,6 +81,9 @@ class ThresholdRules:
             and what to pass instead).
     """
 
+    adaptive = True
+    """It decides from measurements: a Pilot's rollback guard watches its changes by default (docs/rollback.md)."""
+
     def __init__(
         self,
         min_size: int = 32,

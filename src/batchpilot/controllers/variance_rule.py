@@ -71,6 +71,8 @@ class VarianceRule:
 
     required_stats: tuple[str, ...] = (VARIANCE_KEY,)
     """The ``obs.stats`` keys it reads (the engine switches the matching measurements on)."""
+    adaptive = True
+    """It decides from measurements: a Pilot's rollback guard watches its changes by default (docs/rollback.md)."""
     recommended_lr_rule = "linear-then-sqrt"
     """The LR coupling seed 002 asks for: linear scaling, square root above :attr:`recommended_lr_knee`."""
     recommended_lr_knee = 4096

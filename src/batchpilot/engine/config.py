@@ -28,6 +28,7 @@ from .._validation import (
 )
 from ..controllers.boundary import check_controller
 from ..lr import check_rule
+from .guard import check_rollback_settings
 
 
 @dataclass(frozen=True)
@@ -44,15 +45,29 @@ class DecisionConfig:
     """``"raise"`` on a decision of 0, a negative, NaN or a non-integer; ``"keep"`` keeps the size and warns."""
     loss_history: int = 50
     """How many recent step losses an :class:`~batchpilot.Observation` carries."""
+    rollback: bool | None = None
+    """Roll back a size change followed by a non-finite step or a loss spike (docs/rollback.md; ``None``: on for the
+    controllers that decide from measurements, those with ``adaptive = True``)."""
+    rollback_window: int = 100
+    """Steps watched after each change of size by the controller."""
+    rollback_spike: float = 2.0
+    """A watched loss above this times the median loss before the change (and above its noise) is a spike."""
+    rollback_cooldown: int = 200
+    """Steps during which the controller may not go back to a failed size; doubles with each rollback."""
+
+    def driver_settings(self) -> dict[str, Any]:
+        """The settings :class:`~batchpilot.engine.driver.SizeDriver` takes (all but the rollback guard's)."""
+        return {k: v for k, v in vars(self).items() if not k.startswith("rollback")}
 
 
 @dataclass(frozen=True)
 class LRConfig:
     """How the learning rate follows the global batch size, on top of the user's schedulers."""
 
-    lr_rule: str | Callable[[float], float] = "none"
+    lr_rule: str | Callable[[float], float] | None = None
     """``"none"``, ``"linear"`` (Goyal et al. 2017), ``"sqrt"`` (Malladi et al. 2022), ``"linear-then-sqrt"``,
-    ``"adascale"`` (Johnson et al. 2020: the gain from measured gradient noise) or a callable ratio -> factor."""
+    ``"adascale"`` (Johnson et al. 2020: the gain from measured gradient noise) or a callable ratio -> factor
+    (``None``: the controller's ``recommended_lr_rule`` if it has one, else ``"none"``; docs/lr.md)."""
     base_batch_size: int | None = None
     """The global batch size at which the optimizer's LR is right (``None``: the first step's ``batch_size``)."""
     lr_knee: int = 4096
@@ -185,7 +200,11 @@ class PilotSettings(TypedDict, total=False):
     max_batch_size: int | None
     on_invalid: str
     loss_history: int
-    lr_rule: str | Callable[[float], float]
+    rollback: bool | None
+    rollback_window: int
+    rollback_spike: float
+    rollback_cooldown: int
+    lr_rule: str | Callable[[float], float] | None
     base_batch_size: int | None
     lr_knee: int
     lr_schedulers: Sequence[Any]
@@ -270,6 +289,8 @@ def checked(config: PilotConfig, *, batch_size: Any, controller: Any, optimizer:
     dec, lr, mem, prec, ckpt, st = (config.decisions, config.lr, config.memory, config.precision,
                                     config.checkpoints, config.stats)
     lo, hi = dec.min_batch_size, dec.max_batch_size
+    if lr.lr_rule is None:  # the controller's recommended rule (docs/lr.md)
+        lr = replace(lr, lr_rule=getattr(controller, "recommended_lr_rule", None) or "none")
     problems = collect_problems(
         batch_size=lambda: check_batch_size(batch_size),
         decide_every=lambda: check_positive_int(dec.decide_every, "decide_every"),
@@ -279,6 +300,8 @@ def checked(config: PilotConfig, *, batch_size: Any, controller: Any, optimizer:
         amp=lambda: check_choice(prec.amp, "amp", (None, "bf16", "fp16")),
         loss_reduction=lambda: check_choice(prec.loss_reduction, "loss_reduction", ("mean", "sum")),
         loss_history=lambda: check_positive_int(dec.loss_history, "loss_history"),
+        rollback=lambda: check_rollback_settings(dec.rollback, dec.rollback_window, dec.rollback_spike,
+                                                 dec.rollback_cooldown),
         noise_every=lambda: st.noise_every is None or check_positive_int(st.noise_every, "noise_every"),
         system_every=lambda: st.system_every is None or check_positive_int(st.system_every, "system_every"),
         keep_checkpoints=lambda: check_positive_int(ckpt.keep_checkpoints, "keep_checkpoints"),
@@ -309,7 +332,8 @@ def checked(config: PilotConfig, *, batch_size: Any, controller: Any, optimizer:
     return int(batch_size), replace(
         config,
         decisions=replace(dec, decide_every=int(dec.decide_every), loss_history=int(dec.loss_history),
-                          min_batch_size=_int(lo), max_batch_size=_int(hi)),
+                          min_batch_size=_int(lo), max_batch_size=_int(hi), rollback_window=int(dec.rollback_window),
+                          rollback_spike=float(dec.rollback_spike), rollback_cooldown=int(dec.rollback_cooldown)),
         lr=replace(lr, base_batch_size=_int(lr.base_batch_size), lr_schedulers=list(lr.lr_schedulers)),
         precision=replace(prec, grad_clip=prec.grad_clip if prec.grad_clip is None or isinstance(prec.grad_clip, str)
                           else float(prec.grad_clip)),

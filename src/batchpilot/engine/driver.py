@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from .. import distributed as bpdist
@@ -38,6 +39,25 @@ class Decision(NamedTuple):
     global_batch_size: int
     source: str
     note: str | None
+
+
+@dataclass(frozen=True)
+class BackOff:
+    """After a rollback (:mod:`.guard`): until step ``until_step`` the controller's decisions that go as far as the
+    size that failed, or beyond it (``>= failed_size`` when growing to it failed, ``<= failed_size`` when shrinking
+    to it did), keep the current size instead. ``set_batch_size()`` is not bounded."""
+
+    failed_size: int
+    restored_size: int
+    until_step: int
+    noted: bool = False  # whether a refusal was logged (one line per back-off)
+
+    def refuses(self, size: int, step: int) -> bool:
+        """Whether a decision of ``size`` made after ``step`` steps is refused."""
+        if step >= self.until_step:
+            return False
+        grew = self.failed_size > self.restored_size
+        return size >= self.failed_size if grew else size <= self.failed_size
 
 
 def observed_stats(record: Mapping[str, Any], *, world_size: int, max_micro_batch_size: int | None) -> dict[str, Any]:
@@ -124,6 +144,10 @@ class SizeDriver:
         self.samples_per_s: float | None = None
         self.last_decision: dict[str, Any] | None = None
         self.min_useful = 1  # world size x micro-batches per step: smaller sizes leave micro-batches empty
+        # The last rollback's bound on the controller's decisions, and the rollbacks so far (each doubles the next
+        # cooldown); a Pilot's rollback guard saves and loads them (engine/guard.py).
+        self.backoff: BackOff | None = None
+        self.rollback_failures = 0
         self._warned_small = False
         self._clock: float | None = None
 
@@ -204,6 +228,12 @@ class SizeDriver:
                         on_invalid=self.on_invalid,
                         source=source,
                     )
+                    b = self.backoff
+                    if b is not None and decided != global_batch_size and b.refuses(decided, self.step):
+                        decided, note = global_batch_size, None if b.noted else (  # logged once per back-off
+                            f"{source} asked for {decided}; kept {global_batch_size}: back-off after the rollback "
+                            f"from {b.failed_size} (until step {b.until_step})")
+                        self.backoff = replace(b, noted=True)
             except Exception as exc:
                 if due:
                     self._broadcast(-1)  # the other ranks wait in the broadcast: tell them to stop too
@@ -245,6 +275,20 @@ class SizeDriver:
             samples_per_s=self.samples_per_s,
             stats=dict(stats or {}),
         )
+
+    def back_off(self, failed_size: int, restored_size: int, cooldown: int) -> BackOff:
+        """Bound the controller's decisions after a rollback from ``failed_size`` to ``restored_size`` (call it
+        on every rank, after the restore) for ``cooldown`` steps, doubled for each earlier rollback; return the
+        bound. A bound still in force from an earlier rollback in the same direction stays when it is tighter."""
+        until = self.step + cooldown * 2 ** min(self.rollback_failures, 30)
+        self.rollback_failures += 1
+        old = self.backoff
+        if old is not None and self.step < old.until_step and \
+                (old.failed_size > old.restored_size) == (failed_size > restored_size):
+            tighter = min if failed_size > restored_size else max
+            failed_size = tighter(failed_size, old.failed_size)
+        self.backoff = BackOff(failed_size, restored_size, until)
+        return self.backoff
 
     def _broadcast(self, value: int) -> int:
         """Rank 0's ``value`` on every rank (no collective when this process trains on its own)."""
@@ -297,8 +341,9 @@ class Decisions:
         self.override: int | None = None  # a set_batch_size() made inside the step
         self.last_decision: dict[str, Any] | None = None
 
-    def after_step(self, record: dict[str, Any]) -> None:
-        """Set the next step's size: the override made inside the step, else the controller's when due."""
+    def after_step(self, record: dict[str, Any]) -> Decision | None:
+        """Set the next step's size: the override made inside the step, else the controller's when due; return
+        the decision (``None``: nothing decided)."""
         global_batch_size, driver = self.loader.batch_size, self.driver
         override, self.override = self.override, None
         stats = observed_stats(record, world_size=driver.world_size or 1,
@@ -308,6 +353,7 @@ class Decisions:
         if decided is not None:
             self.record(global_batch_size, decided.global_batch_size, decided.source, decided.note, record)
             self.loader.set_batch_size(decided.global_batch_size)
+        return decided
 
     def set_between_steps(self, requested: int, record: dict[str, Any]) -> None:
         """Apply a ``set_batch_size(requested)`` made between steps, bounded like a decision (it replaces an

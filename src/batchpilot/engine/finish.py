@@ -37,7 +37,12 @@ def finish_step(pilot: Any, micro: MicroBatch, bar: ProgressBar) -> None:
     bar.update(global_batch_size, record)
 
     pilot._acc.micro = None  # between steps from here on
-    pilot._decisions.after_step(record)
+    guard = pilot._guard
+    if guard.check_step(pilot, global_batch_size, outcome.loss, outcome.skipped):
+        pilot.driver.start_clock()  # rolled back (engine/guard.py): at an earlier boundary, at the old size
+        return
+    size = pilot.loader.batch_size  # the size in force (an epoch's last step may have been smaller)
+    guard.after_decision(pilot._decisions.after_step(record), size)
     if pilot._couple:
         pilot.coupling.scale(pilot.loader.next_step_size())
     groups = len(pilot.optimizer.param_groups)
@@ -47,6 +52,7 @@ def finish_step(pilot: Any, micro: MicroBatch, bar: ProgressBar) -> None:
         pilot._step_end.refresh_params()  # a callback may have unfrozen (or frozen) parameters
         if pilot._couple and len(pilot.optimizer.param_groups) != groups:
             rescale_lr(pilot.coupling, pilot.loader)  # a group added in a callback gets the factor at once
+    guard.before_next_step(pilot, size)  # a snapshot before the first step at a size the controller changed to
     every = pilot.config.checkpoints.checkpoint_every
     if every is not None and pilot.step % every == 0:
         pilot.save_checkpoint()

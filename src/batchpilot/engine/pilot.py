@@ -29,6 +29,7 @@ from .accumulate import Accumulation
 from .config import PilotSettings, checked, merge_settings, stop_samples
 from .driver import Decisions, SizeDriver
 from .finish import finish_step
+from .guard import RollbackGuard
 from .placement import engine_reduces_gradients, resolve_world, training_device
 from .probes import adopt_anchor, lr_config, resolve_auto, run_probes
 from .replay import StepReplay
@@ -77,9 +78,11 @@ class Pilot:
             world_size=self.world_size, rng_device=self.device, **vars(cfg.data))
         self.num_samples = self.loader.sampler.num_samples
         self.driver = SizeDriver(  # the step counters, and the decisions
-            controller, batch_size=batch_size, num_samples=self.num_samples, **vars(cfg.decisions), rank=self.rank,
-            names=("controller", "batch_size"), world_size=self.world_size, label="controller")
+            controller, batch_size=batch_size, num_samples=self.num_samples, **cfg.decisions.driver_settings(),
+            rank=self.rank, names=("controller", "batch_size"), world_size=self.world_size, label="controller")
         self.controller = self.driver.controller
+        # Undoes a change of size that breaks training (engine/guard.py).
+        self._guard = RollbackGuard.from_config(cfg.decisions, self.driver, rank=self.rank, world_size=self.world_size)
         self.coupling, self.adascale, self._couple = lr_rules(optimizer, lr_config(cfg.lr), batch_size)
         self.lr_schedulers = list(cfg.lr.lr_schedulers)
         self.scaler = torch.amp.GradScaler(self.device.type) if prec.amp == "fp16" else None
@@ -113,6 +116,7 @@ class Pilot:
             world_size=self.world_size, device=self.device,
             log_clamp=lambda saved, bounded, note: self._decisions.record(saved, bounded, "user", note,
                                                                           self.last_record))
+        self._state.parts["guard"] = self._guard  # its rollbacks, back-off and open watch window are state too
         self._decisions = Decisions(self.driver, self.loader, log=self._log.decision,
                                     on_failure=lambda error: self._state.keep_finished_step(error, self.state_dict))
         self.skipped_steps = 0
@@ -167,6 +171,11 @@ class Pilot:
     def last_decision(self) -> dict[str, Any] | None:
         """The last change of size (or note on keeping it), as logged; ``None`` before the first."""
         return self._decisions.last_decision
+
+    @property
+    def rollbacks(self) -> int:
+        """Changes of size the rollback guard undid (docs/rollback.md)."""
+        return self._guard.rollbacks
 
     @property
     def oom_replays(self) -> int:

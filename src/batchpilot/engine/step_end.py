@@ -234,9 +234,10 @@ def lr_rules(optimizer: torch.optim.Optimizer, lr: LRConfig,
     from each step's gradient statistics), both anchored at ``base_batch_size`` (default: ``batch_size``); and
     whether the coupling changes the LR at all (``"none"`` never does: the per-step work is skipped)."""
     base = batch_size if lr.base_batch_size is None else lr.base_batch_size
-    adascale = lr.lr_rule == "adascale"
-    coupling = LRCoupling(optimizer, base, rule="none" if adascale else lr.lr_rule, knee=lr.lr_knee)
-    return coupling, AdaScaleLR(optimizer, base) if adascale else None, lr.lr_rule not in ("none", "adascale")
+    rule = "none" if lr.lr_rule is None else lr.lr_rule  # (a checked config has resolved None already)
+    adascale = rule == "adascale"
+    coupling = LRCoupling(optimizer, base, rule="none" if adascale else rule, knee=lr.lr_knee)
+    return coupling, AdaScaleLR(optimizer, base) if adascale else None, rule not in ("none", "adascale")
 
 
 def step_record(*, step: int, samples_seen: int, position: tuple[int, int, int], num_samples: int,
