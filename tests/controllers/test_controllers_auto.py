@@ -88,6 +88,7 @@ def test_the_state_round_trips_with_the_probe_and_goodput_state():
     ({"lr_range": (2.0, 10.0)}, "low < 1 < high"),
     ({"lr_range": 10.0}, "lr_range must be a pair"),
     ({"lr_fraction": 0.0}, "lr_fraction must be > 0"),
+    ({"lr_anchor": "top"}, "lr_anchor must be 'start'"),
     ({"interval": 0}, "interval"),
     ({"max_change": 0.5}, "max_change must be > 1"),
 ])

@@ -98,6 +98,14 @@ def test_the_sweep_stops_at_the_dataset_bound_and_anchors_the_lr_rule_at_the_kne
     assert pilot.adascale.base_batch_size == probe.start_size == pilot.batch_size
 
 
+def test_the_found_lr_can_be_anchored_at_the_top_of_the_curve():
+    data, model = problem()
+    pilot = auto_pilot(model, data, controller=Auto(16, 64, min_gain=100.0, lr_steps=10, lr_anchor="max_size"))
+    train(pilot, model, steps=1)
+    assert pilot.controller.probe.start_size == 16 and pilot.adascale.base_batch_size == 64
+    assert pilot.optimizer.param_groups[0]["lr"] == pilot.controller.probe.lr
+
+
 def test_an_explicit_lr_rule_skips_the_range_test_and_keeps_the_optimizers_lr():
     data, model = problem()
     pilot = auto_pilot(model, data, lr_rule="sqrt")

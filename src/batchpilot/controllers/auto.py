@@ -105,7 +105,11 @@ class Auto:
         lr_steps: Steps of the LR range test (Smith 2017) at the knee.
         lr_range: The range test's LRs, relative to the optimizer's LR (``(1e-3, 1e3)``: three decades either
             side).
-        lr_fraction: The LR the run starts with is this fraction of the LR at the smoothed loss's minimum.
+        lr_fraction: The found LR is this fraction of the centre of the range test's loss valley.
+        lr_anchor: Where the found LR sits on the LR curve ``lr (1 + B_simple / anchor) / (1 + B_simple / B)``
+            (with ``lr_rule="auto"``): at the start size (``"start"``: the knee trains at the found LR) or at
+            ``max_size`` (``"max_size"``: the found LR is the curve's top; the knee trains below it while the
+            gradient noise is small).
         interval, switch_threshold, candidates, max_change, min_measurements: :class:`Goodput`'s, after the probes.
 
     Raises:
@@ -130,6 +134,7 @@ class Auto:
         lr_steps: int = 100,
         lr_range: tuple[float, float] = (1e-3, 1e3),
         lr_fraction: float = 0.4,
+        lr_anchor: str = "start",
         interval: int = 50,
         switch_threshold: float = 0.05,
         candidates: int = 50,
@@ -152,6 +157,10 @@ class Auto:
                              "e.g. (1e-3, 1e3).")
         self.lr_range = (low, high)
         self.lr_fraction = check_real(lr_fraction, "lr_fraction", low=0.0, high=1.0, high_inclusive=True)
+        if lr_anchor not in ("start", "max_size"):
+            raise ValueError(f"lr_anchor must be 'start' (the found LR is the knee's) or 'max_size' (it is the top of "
+                             f"the LR curve, reached at max_size), got {lr_anchor!r}.")
+        self.lr_anchor = lr_anchor
         self.interval, self.switch_threshold, self.candidates = interval, switch_threshold, candidates
         self.max_change, self.min_measurements = max_change, min_measurements
         self._goodput(self.min_size)  # Goodput checks its settings now: a bad one is refused here, not after probes

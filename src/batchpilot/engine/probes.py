@@ -294,9 +294,10 @@ def _start(pilot: Any, auto: Auto, result: ProbeResult) -> None:
         pilot.loader.set_max_micro_batch_size(result.max_micro_batch_size)
     pilot.loader.set_batch_size(knee)
     if pilot.config.lr.base_batch_size is None:
+        anchor = auto.max_size if auto.lr_anchor == "max_size" and pilot.config.lr.lr_rule == "auto" else knee
         for part in (pilot.coupling, pilot.adascale):
             if part is not None:
-                _anchor(part, knee)
+                _anchor(part, anchor)
     if result.lr is not None:
         _set_base_lr(pilot, result.lr)
     auto.start(result)
