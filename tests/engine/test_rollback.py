@@ -28,13 +28,15 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_a_rollback_equals_a_run_that_never_made_the_change(tmp_path):
-    # Grows 8 -> 16 after step 5; the third step at 16 has a NaN loss: 3 steps are discarded.
-    failing, model, controller = h.build(5, log_path=tmp_path / "log.jsonl")
-    kept = h.train(failing, model, 30, fail_from=7)
+@pytest.mark.parametrize("grow_at, fail_from", [(5, 7), (10, 13)])
+def test_a_rollback_equals_a_run_that_never_made_the_change(tmp_path, grow_at, fail_from):
+    # Grows 8 -> 16 after step 5 (or 10); the step after step 7 (13) has a NaN loss: 3 (4) steps are discarded. (With
+    # 96 samples an epoch has 12 steps of 8: the second case's snapshot is in epoch 0, its failure in epoch 1.)
+    failing, model, controller = h.build(grow_at, log_path=tmp_path / "log.jsonl")
+    kept = h.train(failing, model, 30, fail_from=fail_from)
     plain, plain_model, _ = h.build(10**9)  # never grows
-    reference = h.train(plain, plain_model, 30, fail_from=7)
-    assert failing.rollbacks == 1 and controller.told == [(16, 8, 5)]
+    reference = h.train(plain, plain_model, 30, fail_from=fail_from)
+    assert failing.rollbacks == 1 and controller.told == [(16, 8, grow_at)]
     assert kept == reference  # the same sizes and samples, step by step
     assert _equal(h.weights(model), h.weights(plain_model))  # bitwise
     for epoch in (0, 1):  # exact coverage: every sample once per epoch
@@ -45,9 +47,10 @@ def test_a_rollback_equals_a_run_that_never_made_the_change(tmp_path):
     rollbacks = [r for r in lines if r.get("decision/rollback")]
     assert len(rollbacks) == 1
     r = rollbacks[0]
-    assert (r["step"], r["rollback/from_size"], r["rollback/to_size"], r["rollback/steps_discarded"]) == (5, 16, 8, 3)
+    assert (r["step"], r["rollback/from_size"], r["rollback/to_size"], r["rollback/steps_discarded"]) == (
+        grow_at, 16, 8, fail_from - grow_at + 1)
     assert r["rollback/reason"] == "non-finite step" and r["rollback/losses"][-1] == "nan"
-    assert sum(1 for x in lines if x["type"] == "step" and x["step"] == 6) == 2  # the discarded line stays
+    assert sum(1 for x in lines if x["type"] == "step" and x["step"] == grow_at + 1) == 2  # the discarded line stays
     refusals = [x for x in lines if x["type"] == "decision" and "back-off" in str(x.get("note"))]
     assert len(refusals) == 1  # the controller asked every step; one line says it was refused
 
