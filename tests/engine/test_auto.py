@@ -106,6 +106,18 @@ def test_the_found_lr_can_be_anchored_at_the_top_of_the_curve():
     assert pilot.optimizer.param_groups[0]["lr"] == pilot.controller.probe.lr
 
 
+def test_the_default_lr_rule_is_auto_and_an_explicit_none_keeps_the_optimizers_lr():
+    data, model = problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    pilot = batchpilot.Pilot(model, opt, data, batch_size="auto", controller=Auto(16, 16, lr_steps=10))
+    assert pilot.config.lr.lr_rule == "auto" and pilot.adascale is not None
+    train(pilot, model, steps=1)
+    assert pilot.controller.probe.lr is not None
+    pilot = auto_pilot(model, data, lr_rule="none")
+    train(pilot, model, steps=1)
+    assert pilot.controller.probe.lr is None and pilot.optimizer.param_groups[0]["lr"] == 0.05
+
+
 def test_an_explicit_lr_rule_skips_the_range_test_and_keeps_the_optimizers_lr():
     data, model = problem()
     pilot = auto_pilot(model, data, lr_rule="sqrt")
