@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from batchpilot.bench.calibrate import Calibration, calibrate, size_grid
-from batchpilot.bench.policies import parse_policies
+from batchpilot.bench.policies import parse_policies, workload_grid
 from batchpilot.bench.runner import write_json
 from batchpilot.bench.specs import Plan, expand
 from batchpilot.bench.summary import finish_results
@@ -104,7 +104,7 @@ def criterion_summary(base: dict[str, Any], runs: list[dict[str, Any]], num_samp
     return {
         "eval_every_epochs": stride * eval_every, "window": window, "best_static": best,
         "best_adaptive": best_adaptive,
-        "targets": {k: {key: targets[k][key] for key in ("status", "value", "threshold", "text")} for k in ("a", "b", "c")},
+        "targets": {k: {key: targets[k][key] for key in ("status", "value", "threshold", "text")} for k in ("a", "b", "c", "d")},
         "a_cost_ratio": None if best_adaptive is None else summary[best_adaptive]["cost_ratio_vs_best_static"],
         "b_cost_speedup": untuned / ours if untuned is not None and ours else None,
         "summary": summary,
@@ -204,7 +204,7 @@ def main() -> None:
     wl = get_workload(args.workload)
     target = wl.target_accuracy if args.target_accuracy is None else args.target_accuracy
     seeds = [int(s) for s in args.seeds.split(",")]
-    pols = parse_policies(args.policies)
+    pols = workload_grid(parse_policies(args.policies), wl.grid)
     train, test = wl.build_data(wl.data_seed)
     n = len(train)
     lo, hi = min(wl.min_batch_size, n), min(wl.max_batch_size, n)

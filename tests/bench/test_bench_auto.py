@@ -169,7 +169,7 @@ def test_cache_keys_name_the_seed_the_spec_and_the_machine(tmp_path):
 def test_markov_data_shapes_determinism_and_bayes_rate():
     train, test = markov_data(3, n_train=2000, n_test=1000)
     x, y = train.tensors
-    assert x.shape == (2000, 96) and x.dtype == torch.int64 and y.shape == (2000,) and y.dtype == torch.int64
+    assert x.shape == (2000, 64) and x.dtype == torch.int64 and y.shape == (2000,) and y.dtype == torch.int64
     assert int(x.min()) >= 0 and int(x.max()) == 7 and set(y.tolist()) == set(range(10))
     again, _ = markov_data(3, n_train=2000, n_test=1000)
     assert torch.equal(again.tensors[0], x) and torch.equal(again.tensors[1], y)

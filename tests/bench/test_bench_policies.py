@@ -8,7 +8,7 @@ import math
 import pytest
 
 from batchpilot.bench.calibrate import Calibration, _suffix_min, size_grid
-from batchpilot.bench.policies import NAMED_SETS, NOISE_EVERY, parse_policies, parse_policy, workload_grid
+from batchpilot.bench.policies import NAMED_SETS, parse_policies, parse_policy, workload_grid
 from batchpilot.bench.specs import Plan, expand
 from batchpilot.bench.summary import category, evaluate_targets, grid_search_cost, summarize
 from batchpilot.controllers import Goodput, NoiseScale, ThresholdRules, VarianceRule
@@ -39,7 +39,7 @@ def test_new_policy_forms_and_canonical_names():
 def test_named_sets_and_ranges_expand():
     names = [p.name for p in workload_grid(parse_policies("default"), (32, 1024))]
     assert names == ["static:32", "tuned-static:32", "tuned-static:64", "tuned-static:128", "tuned-static:256",
-                     "tuned-static:512", "tuned-static:1024", "finder", "ramp:32-512", "noise-scale", "goodput", "auto"]
+                     "tuned-static:512", "tuned-static:1024", "finder", "noise-scale", "goodput", "auto"]
     full = [p.name for p in workload_grid(parse_policies("full"), (64, 256))]
     assert full == ["static:32", "tuned-static:64", "tuned-static:128", "tuned-static:256", "finder", "ramp:32-512",
                     "ramp-smith", "noise-scale", "goodput", "variance-rule", "threshold-rules", "auto"]
@@ -92,7 +92,7 @@ def test_tuned_static_under_adascale_keeps_adascale_in_every_cell():
                      "static:512@lr=0.02@lr-rule=adascale"]
     for name, lr in zip(cells, (0.005, 0.01, 0.02)):
         spec = by_name[name]
-        assert (spec.lr_rule, spec.optimizer_lr, spec.base_batch_size, spec.noise_every) == ("adascale", lr, 32, 16)
+        assert (spec.lr_rule, spec.optimizer_lr, spec.base_batch_size, spec.noise_every) == ("adascale", lr, 32, None)
     assert not set(cells) & set(members["tuned-static:512"])  # never shared with the plain grid
     assert len(specs) == 6
 
@@ -117,7 +117,7 @@ def test_finder_smith_and_adaptive_specs():
         spec = by_name[name]
         controller = spec.make_controller(48_000)
         assert repr(controller) == repr(reference)  # the defaults, only the workload's bounds passed
-        assert spec.batch_size == 32 and spec.noise_every == NOISE_EVERY and spec.lr == 0.01
+        assert spec.batch_size == 32 and spec.noise_every is None and spec.lr == 0.01
     assert by_name["variance-rule"].lr_rule == "linear-then-sqrt"  # VarianceRule.recommended_lr_rule
     # NoiseScale's own recommended rule (AdaScale, issue 21) where it has one, else the workload's.
     assert by_name["noise-scale"].lr_rule == getattr(NoiseScale, "recommended_lr_rule", "linear")
@@ -130,7 +130,7 @@ def test_sqrt_rule_and_lr_rule_override():
     assert by_name["static:512"].lr == pytest.approx(0.004)  # 0.001 * sqrt(16)
     assert members["tuned-static:512"] == ["static:512@lr=0.002", "static:512", "static:512@lr=0.008"]
     g = by_name["goodput@lr-rule=adascale"]
-    assert (g.lr_rule, g.lr, g.noise_every) == ("adascale", 0.001, NOISE_EVERY)
+    assert (g.lr_rule, g.lr, g.noise_every) == ("adascale", 0.001, None)
 
 
 # ------------------------------------------------------------------------------------------ cost model
@@ -296,10 +296,13 @@ def test_a_policys_size_cannot_move_the_finder_through_the_monotone_fix_up():
     assert older.finder_size(among=size_grid(32, 128)) == 64
 
 
-def test_adascale_policies_measure_statistics_in_the_cost_model_too():
-    specs, _ = expand(parse_policies("static:128@lr-rule=adascale,ramp@lr-rule=adascale,static:64"), PLAN)
+def test_every_policy_leaves_the_statistics_period_to_the_engine():
+    # The engine's default: it measures at its adaptive period where AdaScale or the controller needs statistics;
+    # the cost model reads which steps measured from the records (stats/noise_count), not from a fixed period.
+    specs, _ = expand(parse_policies("static:128@lr-rule=adascale,ramp@lr-rule=adascale,static:64,goodput,auto"), PLAN)
     assert {s.name: s.noise_every for s in specs} == {
-        "static:128@lr-rule=adascale": NOISE_EVERY, "ramp:32-512@lr-rule=adascale": NOISE_EVERY, "static:64": None}
+        "static:128@lr-rule=adascale": None, "ramp:32-512@lr-rule=adascale": None, "static:64": None,
+        "goodput": None, "auto": None}
 
 
 def test_a_tuned_static_range_takes_an_lr_rule_suffix():

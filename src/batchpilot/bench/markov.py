@@ -5,10 +5,10 @@ Data (generated locally from the data seed, nothing downloaded, ~2 s): ten class
 ``(1 - eps) T_0 + eps T_c`` with ``T_0`` and ``T_c`` random stochastic matrices (rows drawn uniformly from the
 simplex) and ``eps = 0.5``; the first symbol is uniform. A sequence is 64 steps of its class's chain, so
 every step carries a little evidence and a classifier has to add it up over the whole sequence. The
-Bayes-optimal classifier (the chains' log-likelihoods, :func:`bayes_accuracy`) gets ~95% on the test set;
-the workload's target, 0.92, asks for most of the way there.
+Bayes-optimal classifier (the chains' log-likelihoods, :func:`bayes_accuracy`) gets 96.6% on the test set of
+data seed 42; the workload's target, 0.92, asks for most of the way there.
 
-Model: embedding (8 -> 16), one GRU layer (hidden 128), a linear head on the last hidden state; ~57k
+Model: embedding (8 -> 16), one GRU layer (hidden 192), a linear head on the last hidden state; ~123k
 parameters. Trained with Adam and the square-root LR rule from lr 0.001 at batch 32, like ``seqsum``.
 
 Why it is here: the other workloads reach their targets in seconds, so a fixed cost such as ``auto``'s
@@ -28,7 +28,7 @@ from .seeding import seeded_model
 __all__ = ["MARKOV_CLASSES", "MARKOV_LENGTH", "MARKOV_SYMBOLS", "MarkovGRU", "bayes_accuracy", "markov_chains",
            "markov_data", "markov_gru"]
 
-MARKOV_CLASSES, MARKOV_SYMBOLS, MARKOV_LENGTH = 10, 8, 96
+MARKOV_CLASSES, MARKOV_SYMBOLS, MARKOV_LENGTH = 10, 8, 64
 
 
 def _simplex_rows(g: torch.Generator, *shape: int) -> torch.Tensor:
@@ -38,7 +38,7 @@ def _simplex_rows(g: torch.Generator, *shape: int) -> torch.Tensor:
 
 
 def markov_chains(g: torch.Generator, classes: int = MARKOV_CLASSES, symbols: int = MARKOV_SYMBOLS,
-                  eps: float = 0.4) -> torch.Tensor:
+                  eps: float = 0.5) -> torch.Tensor:
     """Transition matrices ``(classes, symbols, symbols)``: a shared part and ``eps`` of each class's own."""
     shared = _simplex_rows(g, symbols, symbols)
     return (1 - eps) * shared + eps * _simplex_rows(g, classes, symbols, symbols)
@@ -80,9 +80,9 @@ def bayes_accuracy(seed: int, data: TensorDataset) -> float:
 
 
 class MarkovGRU(nn.Module):
-    """Symbols (N, L) -> embedding (N, L, 16) -> GRU (hidden 128) -> last hidden state -> (N, 10) logits."""
+    """Symbols (N, L) -> embedding (N, L, 16) -> GRU (hidden 192) -> last hidden state -> (N, 10) logits."""
 
-    def __init__(self, hidden: int = 128, embed: int = 16, symbols: int = MARKOV_SYMBOLS,
+    def __init__(self, hidden: int = 192, embed: int = 16, symbols: int = MARKOV_SYMBOLS,
                  classes: int = MARKOV_CLASSES) -> None:
         super().__init__()
         self.embed = nn.Embedding(symbols, embed)

@@ -37,7 +37,7 @@ Policies:
   start probes run inside the timed training (their time counts in every time to target).
 
 Named sets: ``default`` (the comparison of issue 21: the untuned default, the LR-tuned static grid, the finder,
-the ramp, ``noise-scale``, ``goodput`` and ``auto``), ``full`` (``default`` plus ``ramp-smith``,
+``noise-scale``, ``goodput`` and ``auto``), ``full`` (``default`` plus ``ramp``, ``ramp-smith``,
 ``variance-rule`` and ``threshold-rules``: issue 3's comparison), ``collapse`` (target (d): ``static:32`` and every
 adaptive controller with its defaults), ``quick`` (``auto`` against the static grid's usual winner and the untuned
 default), ``adaptive``, ``foundation``.
@@ -63,7 +63,7 @@ ADAPTIVE = ("noise-scale", "goodput", "variance-rule", "threshold-rules")
 AUTO = "auto"
 ALIASES = {"ramp": "ramp:32-512"}
 NAMED_SETS = {
-    "default": "static:32,tuned-static:grid,finder,ramp,noise-scale,goodput,auto",
+    "default": "static:32,tuned-static:grid,finder,noise-scale,goodput,auto",
     "full": "static:32,tuned-static:grid,finder,ramp,ramp-smith," + ",".join(ADAPTIVE) + ",auto",
     "collapse": "static:32," + ",".join(ADAPTIVE) + ",auto",
     "quick": "static:32,static:512,auto",

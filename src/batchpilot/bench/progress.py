@@ -69,4 +69,9 @@ def run_line(label: str, run: dict[str, Any], target: float) -> str:
         why = run.get("stop_reason") if run.get("stop_reason") in ("diverged", "stalled") else "missed"
         what = (f"{why} {target:.3f} in {run['wall_s']:.1f} s "
                 f"(best {run['best_accuracy']:.4f})")
-    return f"{label}: {what}; final acc {run['final_accuracy']:.4f}"
+    extra = ""
+    if isinstance(run.get("probe"), dict):
+        extra += f"; probes {run['probe']['seconds']:.1f} s (start {run['probe']['start_size']})"
+    if run.get("rollbacks"):
+        extra += f"; {run['rollbacks']} rollback(s)"
+    return f"{label}: {what}; final acc {run['final_accuracy']:.4f}{extra}"

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..lr import lr_factor
-from .policies import ADAPTIVE, AUTO, NOISE_EVERY, TUNE_FACTORS, Policy
+from .policies import ADAPTIVE, AUTO, TUNE_FACTORS, Policy
 
 __all__ = ["Plan", "RunSpec", "expand", "policy_specs"]
 
@@ -31,7 +31,8 @@ class RunSpec:
         lr_rule: The Pilot's ``lr_rule``.
         base_batch_size: The Pilot's ``base_batch_size``.
         lr: The LR of the first step (``optimizer_lr`` x the rule's factor at ``batch_size``).
-        noise_every: The Pilot's ``noise_every`` (``None``: no gradient statistics).
+        noise_every: The Pilot's ``noise_every`` (``None``, every built-in policy: the engine's default, which
+            measures gradient statistics at its adaptive period where the controller or AdaScale needs them).
         make_controller: ``num_samples -> controller`` (returns ``None`` for a static batch).
         policies: The requested policies this run serves.
         grid: Whether it is a cell of an LR grid (its time counts in ``grid_search_total_s``).
@@ -93,10 +94,9 @@ def _adaptive_spec(plan: Plan, policy: Policy) -> RunSpec:
     lo, hi = plan.min_size, plan.max_size
     controller = policy.make_controller(plan.num_samples, lo, hi)
     rule = policy.lr_rule or getattr(controller, "recommended_lr_rule", None) or plan.lr_rule
-    required = getattr(controller, "required_stats", ())
-    noise = NOISE_EVERY if rule == "adascale" or any(str(k).startswith("stats/") for k in required) else None
+    # noise_every None: the engine's default (it measures gradient statistics, at its adaptive period, where the
+    # controller reads them or the rule is AdaScale), as a user who leaves it alone gets.
     return RunSpec(policy.name, lo, plan.base_lr, rule, plan.base_batch_size, plan.rule_lr(lo, rule),
-                   noise_every=noise,
                    make_controller=functools.partial(policy.make_controller, min_size=lo, max_size=hi),
                    policies=(policy.name,))
 
@@ -105,7 +105,7 @@ def _auto_spec(plan: Plan, policy: Policy) -> RunSpec:
     """``auto``: the optimizer gets the workload's base LR (the range test sweeps around it); no
     ``base_batch_size`` (the LR curve is anchored at the knee the probes find)."""
     lo, hi = plan.min_size, plan.max_size
-    return RunSpec(policy.name, lo, plan.base_lr, policy.lr_rule, plan.base_batch_size, None, noise_every=NOISE_EVERY,
+    return RunSpec(policy.name, lo, plan.base_lr, policy.lr_rule, plan.base_batch_size, None,
                    make_controller=functools.partial(policy.make_controller, min_size=lo, max_size=hi),
                    policies=(policy.name,), auto=True)
 
@@ -119,10 +119,9 @@ def policy_specs(plan: Plan, policy: Policy) -> list[RunSpec]:
         specs = policy_specs(replace(plan, lr_rule=policy.lr_rule), base)
         suffix = f"@lr-rule={policy.lr_rule}"
         # An explicit-LR cell does not depend on the rule: it keeps its name (and is shared). AdaScale measures
-        # gradient statistics (every NOISE_EVERY-th step, as the engine does): the cost model must know.
+        # gradient statistics at the engine's default period; the cost model sees which steps measured.
         return [replace(s, name=s.name if s.lr_rule == "none" and "@lr=" in s.name else s.name + suffix,
-                        policies=(policy.name,),
-                        noise_every=NOISE_EVERY if s.lr_rule == "adascale" else s.noise_every) for s in specs]
+                        policies=(policy.name,)) for s in specs]
     if policy.kind == "static":
         return [_static(plan, policy.batch_size, policy.lr, policy.name)]
     if policy.kind == "tuned-static":
