@@ -20,12 +20,13 @@ from batchpilot.measure import GradientNoiseProbe
 # Pilot's keyword arguments and their defaults before the settings were grouped.
 OLD_DEFAULTS = dict(
     decide_every=1, min_batch_size=None, max_batch_size=None, on_invalid="raise", max_micro_batch_size=None,
-    lr_rule="none", base_batch_size=None, lr_knee=4096, lr_schedulers=(), shuffle=True, seed=0, drop_last=False,
+    lr_rule=None, base_batch_size=None, lr_knee=4096, lr_schedulers=(), shuffle=True, seed=0, drop_last=False,
     num_workers=0, collate_fn=None, pin_memory=False, prefetch_factor=None, amp=None, grad_clip=None,
     skip_nonfinite=True, device=None, log_path=None, tensorboard_dir=None, progress=None, checkpoint_dir=None,
     checkpoint_every=None, keep_checkpoints=2, loss_reduction="mean", loss_history=50, noise_every=None,
     system_every=100, oom_recovery=False, rank=None, world_size=None,
-)
+)  # (lr_rule was "none"; since issue 21 None means the controller's recommended rule, else "none": docs/lr.md)
+NEW_DEFAULTS = dict(rollback=None, rollback_window=100, rollback_spike=2.0, rollback_cooldown=200)  # issue 21
 
 
 def build(**settings):
@@ -40,9 +41,9 @@ def train(pilot, model, steps):
 
 
 def test_every_old_keyword_is_a_setting_with_its_old_default():
-    assert set(GROUP_OF) == set(OLD_DEFAULTS)
+    assert set(GROUP_OF) == set(OLD_DEFAULTS) | set(NEW_DEFAULTS)
     config = PilotConfig()
-    for name, default in OLD_DEFAULTS.items():
+    for name, default in {**OLD_DEFAULTS, **NEW_DEFAULTS}.items():
         assert getattr(getattr(config, GROUP_OF[name]), name) == default, name
 
 
