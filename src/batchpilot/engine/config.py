@@ -66,8 +66,10 @@ class LRConfig:
 
     lr_rule: str | Callable[[float], float] | None = None
     """``"none"``, ``"linear"`` (Goyal et al. 2017), ``"sqrt"`` (Malladi et al. 2022), ``"linear-then-sqrt"``,
-    ``"adascale"`` (Johnson et al. 2020: the gain from measured gradient noise) or a callable ratio -> factor
-    (``None``: the controller's ``recommended_lr_rule`` if it has one, else ``"none"``; docs/lr.md)."""
+    ``"adascale"`` (Johnson et al. 2020: the gain from measured gradient noise), ``"auto"`` (with
+    ``batch_size="auto"`` only: the LR range test's LR at the knee, on AdaScale's curve; docs/auto.md) or a
+    callable ratio -> factor (``None``: the controller's ``recommended_lr_rule`` if it has one, else ``"none"``;
+    docs/lr.md)."""
     base_batch_size: int | None = None
     """The global batch size at which the optimizer's LR is right (``None``: the first step's ``batch_size``)."""
     lr_knee: int = 4096
