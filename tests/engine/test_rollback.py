@@ -230,3 +230,18 @@ def test_bad_rollback_settings_get_a_clear_error(settings, message):
     data, model = h.make_problem()
     with pytest.raises(ValueError, match=message):
         batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), data, batch_size=8, **settings)
+
+
+def test_the_back_off_refuses_the_failed_direction_only_and_keeps_the_tighter_bound():
+    from batchpilot.engine.driver import BackOff
+
+    grew = BackOff(failed_size=512, restored_size=256, until_step=100)
+    assert grew.refuses(512, 50) and grew.refuses(1024, 50) and not grew.refuses(384, 50)
+    assert not grew.refuses(128, 50) and not grew.refuses(1024, 100)  # shrinking is free; the cooldown ends
+    shrank = BackOff(failed_size=64, restored_size=256, until_step=100)
+    assert shrank.refuses(64, 0) and shrank.refuses(32, 0) and not shrank.refuses(128, 0)
+    pilot, _, _ = h.build(5, cooldown=10)
+    driver = pilot.driver
+    assert driver.back_off(512, 256, 10).until_step == 10  # first rollback: the cooldown itself
+    assert driver.back_off(1024, 256, 10) == BackOff(512, 256, 20)  # doubled; the tighter failed size stays
+    assert driver.rollback_failures == 2
