@@ -27,7 +27,6 @@ are reduced over ranks, so every rank finds the same knee and LR. Probe lines go
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import replace
@@ -36,14 +35,12 @@ from typing import Any
 import torch
 
 from .. import distributed as bpdist
-from ..controllers.auto import Auto, ProbeResult, pick_knee
-from ..lr.range_test import diverged, loss_fell, min_loss_lr, smoothed_losses, valley_lr
+from ..controllers.auto import Auto, ProbeResult
 from .config import LRConfig, PilotConfig
+from .probe_core import Steps, range_test, set_base_lr, sweep
 from .snapshot import restore_snapshot, take_snapshot
 
 __all__ = ["adopt_anchor", "lr_config", "resolve_auto", "run_probes"]
-
-Steps = list[tuple[float, float, int]]  # (seconds, mean loss, global batch size) of each probe step
 
 
 def resolve_auto(batch_size: Any, controller: Any, config: PilotConfig) -> tuple[Any, Any, PilotConfig, bool]:
@@ -105,17 +102,17 @@ def run_probes(pilot: Any) -> Generator[Any, None, None]:
         return
     started = time.perf_counter()
     snapshot = take_snapshot(pilot)
-    runner = _ProbeSteps(pilot)
+    runner, ctx = _ProbeSteps(pilot), _PilotContext(pilot)
     adascale, pilot._step_end.adascale = pilot._step_end.adascale, None  # probe steps run at the LR set for them
     result = None
     pilot.probing = True
     try:
-        knee, table, bound = yield from _sweep(pilot, runner, auto)
+        knee, table, bound = yield from sweep(ctx, runner, auto)
         lr = at_min = None
         if pilot.config.lr.lr_rule == "auto":
             restore_snapshot(pilot, snapshot)  # the range test starts from the pre-probe weights too
             runner.keep_memory_bound()
-            lr, at_min = yield from _range_test(pilot, runner, auto, knee)
+            lr, at_min = yield from range_test(ctx, runner, auto, knee)
         result = ProbeResult(start_size=knee, throughput=tuple(table), bound=bound, lr=lr, lr_at_min=at_min,
                              seconds=0.0, steps=runner.count, max_micro_batch_size=runner.memory_bound)
     finally:
@@ -126,6 +123,19 @@ def run_probes(pilot: Any) -> Generator[Any, None, None]:
     assert result is not None  # (an error in the probes was raised above)
     seconds = _agree_float(pilot, time.perf_counter() - started)
     _start(pilot, auto, replace(result, seconds=seconds))
+
+
+class _PilotContext:
+    """The Pilot as the probe phases' context (:class:`~.probe_core.ProbeContext`)."""
+
+    def __init__(self, pilot: Any) -> None:
+        self.pilot, self.num_samples, self.optimizer = pilot, pilot.num_samples, pilot.optimizer
+
+    def agree(self, value: float) -> float:
+        return _agree_float(self.pilot, value)
+
+    def log(self, record: dict[str, Any]) -> None:
+        _log(self.pilot, record)
 
 
 class _ProbeSteps:
@@ -198,95 +208,6 @@ class _ProbeSteps:
             self.pilot.loader.set_max_micro_batch_size(self.memory_bound)
 
 
-def _sweep(pilot: Any, runner: _ProbeSteps, auto: Auto) -> Generator[Any, None, tuple[int, list[tuple[int, float]], str]]:
-    """The throughput at doubling sizes: ``(knee, [(size, samples/s), ...], what stopped the sweep)``.
-
-    A size's throughput is read from its fastest timed step: other work on the machine only ever makes a step
-    slower. A doubling that falls short of ``min_gain`` is timed again, both sizes, before it ends the sweep, and
-    each keeps its faster reading: one burst of load must not end the sweep early (seen on mnist1d: 64 timed at
-    half the throughput of 32)."""
-    per_epoch = max(pilot.num_samples // auto.min_epoch_steps, 1)  # largest size leaving min_epoch_steps steps
-    table: list[tuple[int, float]] = []
-    size, bound = auto.min_size, ""
-    while not bound:
-        rate = yield from _throughput(pilot, runner, auto, size)
-        if rate is None:
-            bound = "memory"
-            break
-        table.append((size, rate))
-        if pick_knee(table, auto.min_gain)[1]:  # confirm it: time the two sizes again
-            for i in (-2, -1):
-                again = yield from _throughput(pilot, runner, auto, table[i][0])
-                table[i] = (table[i][0], max(table[i][1], again or 0.0))
-        if pick_knee(table, auto.min_gain)[1]:
-            bound = "knee"
-        elif size * 2 > auto.max_size:
-            bound = "max_size"
-        elif size * 2 > per_epoch:
-            bound = "dataset"
-        size *= 2
-    knee = pick_knee(table, auto.min_gain)[0] if table else auto.min_size
-    return knee, table, bound
-
-
-def _throughput(pilot: Any, runner: _ProbeSteps, auto: Auto, size: int) -> Generator[Any, None, float | None]:
-    """Samples/s at ``size`` from its fastest timed step (rank 0's), or ``None`` when it ran out of memory."""
-    steps = yield from runner.run(size, auto.warmup_steps + auto.timed_steps)
-    if steps is None:
-        runner.keep_memory_bound()
-        _log(pilot, {"phase": "throughput", "batch_size": size, "out_of_memory": True,
-                     "max_micro_batch_size": runner.memory_bound})
-        return None
-    timed = steps[auto.warmup_steps:]
-    full = [s for s in timed if s[2] == size] or timed  # an epoch's smaller tail step is no sample
-    rate = _agree_float(pilot, max(n / t if t > 0 else math.inf for t, _, n in full))
-    _log(pilot, {"phase": "throughput", "batch_size": size, "samples_per_s": rate,
-                 "step_s": [t for t, _, _ in timed], "loss": steps[-1][1]})
-    return rate
-
-
-def _range_test(pilot: Any, runner: _ProbeSteps, auto: Auto, knee: int) -> Generator[Any, None, tuple[float, float]]:
-    """The LR range test at ``knee``: ``(the run's LR, the LR at the smoothed loss's minimum)``."""
-    groups = pilot.optimizer.param_groups
-    base = [float(g["lr"]) for g in groups]
-    ref = base[0]
-    if not ref > 0:
-        raise ValueError(f"lr_rule='auto' sweeps LRs relative to the optimizer's LR, which is {ref!r}; give the "
-                         "optimizer a positive LR of the right order (e.g. 0.01 for SGD, 1e-3 for Adam).")
-    lo, hi = ref * auto.lr_range[0], ref * auto.lr_range[1]
-    n = auto.lr_steps
-    lrs: list[float] = []
-
-    def set_lr(i: int) -> None:
-        lr = lo * (hi / lo) ** (i / (n - 1))
-        for group, b in zip(groups, base):
-            group["lr"] = lr * b / ref  # the groups keep their ratios
-        lrs.append(lr)
-
-    def stop(done: Steps) -> bool:
-        losses = [loss for _, loss, _ in done]
-        return not math.isfinite(losses[-1]) or diverged(smoothed_losses(losses))
-
-    steps = yield from runner.run(knee, n, set_lr, stop)
-    if steps is None:
-        raise RuntimeError(f"the LR range test ran out of memory at batch {knee}, where the throughput sweep did not;"
-                           " set Auto(max_size=...) below it, or max_micro_batch_size.")
-    losses = [loss for _, loss, _ in steps]
-    finite = next((i for i, x in enumerate(losses) if not math.isfinite(x)), len(losses))
-    if finite < 2:
-        raise RuntimeError(f"the LR range test's first losses are {losses[:2]}: nothing to compare; check the model "
-                           "and the loss, or lower the optimizer's LR (the test starts at "
-                           f"{auto.lr_range[0]:g} x it).")
-    smoothed = smoothed_losses(losses[:finite])
-    # A loss that did not fall beyond its own noise says nothing about the LR: keep the optimizer's.
-    fell = loss_fell(losses[:finite], smoothed)
-    lr = _agree_float(pilot, auto.lr_fraction * valley_lr(lrs[:finite], smoothed) if fell else ref)
-    at_min = _agree_float(pilot, min_loss_lr(lrs[:finite], smoothed))
-    _log(pilot, {"phase": "lr_range_test", "batch_size": knee, "steps": len(steps), "lr": lr, "lr_at_min": at_min,
-                 "loss_fell": fell, "lrs": lrs, "losses": losses})
-    return lr, at_min
-
-
 def _start(pilot: Any, auto: Auto, result: ProbeResult) -> None:
     """Set the Pilot (back at its pre-probe state) to start at the knee with the found LR, anchored there."""
     knee = result.start_size
@@ -299,24 +220,9 @@ def _start(pilot: Any, auto: Auto, result: ProbeResult) -> None:
             if part is not None:
                 _anchor(part, anchor)
     if result.lr is not None:
-        _set_base_lr(pilot, result.lr)
+        set_base_lr(pilot.optimizer, pilot.lr_schedulers, result.lr)
     auto.start(result)
     _log(pilot, {"phase": "start", **result.to_dict()})
-
-
-def _set_base_lr(pilot: Any, lr: float) -> None:
-    """Scale every group's LR (and the schedules' base LRs) so that the first group's base LR is ``lr``."""
-    groups = pilot.optimizer.param_groups
-    first = groups[0]
-    ratio = lr / float(first.get("initial_lr", first["lr"]))
-    for group in groups:  # (the first group's base LR is set to lr itself: no rounding)
-        base = "initial_lr" if "initial_lr" in group else "lr"
-        if "initial_lr" in group:
-            group["lr"] = float(group["lr"]) * ratio
-        group[base] = lr if group is first else float(group[base]) * ratio
-    for scheduler in pilot.lr_schedulers:
-        if isinstance(getattr(scheduler, "base_lrs", None), list):
-            scheduler.base_lrs = [float(b) * ratio for b in scheduler.base_lrs]
 
 
 def _agree_float(pilot: Any, value: float) -> float:
