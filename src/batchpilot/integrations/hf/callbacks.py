@@ -18,6 +18,8 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
+from .._auto import auto_controller
+from .auto import start_probes
 from .run import HFRun
 from .step import StepPasses
 
@@ -47,6 +49,8 @@ class BatchpilotCallback(TrainerCallback):
                 "batchpilot state says %d steps but the Trainer state says %d; continuing from the data position",
                 run.driver.step, state.global_step,
             )
+        if auto_controller(run.driver.controller) is not None:
+            start_probes(trainer, run)  # batch_size_scheduler=Auto(): start at the knee with the found LR
         run.apply_size()  # a first step beyond num_train_epochs gets only the samples left
         run.start_coupling(trainer.optimizer)
         run.samples_at_start = run.samples_seen

@@ -85,6 +85,8 @@ class HFRun:
         self.oom_replays = 0  # steps run again after running out of memory (this train() call)
         self.decided: int | None = None  # the controller's last size (the loader's may be cut to the samples left)
         self.samples_at_start = 0  # samples_seen when this train() call began (its throughput counts from there)
+        self.lr_anchor: int | None = None  # the LR rule's base batch size when not the first size (Auto's knee)
+        self.probe_records: list[dict[str, Any]] = []  # the start probes' records (Auto, this train() call)
 
     # ------------------------------------------------------------------ progress (read by logs and users)
     @property
@@ -117,6 +119,12 @@ class HFRun:
         (``epochs_done()`` counts one whose tail ``drop_last`` will drop)."""
         return self.total_samples is not None and (
             self.samples_seen >= self.total_samples or self.loader.epochs_done() >= num_train_epochs)
+
+    @property
+    def probe(self) -> Any:
+        """What the start probes found (``Auto``'s :class:`~batchpilot.controllers.auto.ProbeResult`, kept in the
+        checkpoint's controller state), or ``None`` without ``Auto``."""
+        return getattr(self.driver.controller, "probe", None)
 
     # ------------------------------------------------------------------ one step
     def begin_step(self, micro: list[MicroBatch]) -> list[float]:
@@ -213,7 +221,7 @@ class HFRun:
         # A resumed run keeps the LR rule's anchor: the first global batch of the original run (a resume under
         # another world size has another first global batch).
         state = self._coupling_state or {}
-        base = int(state.get("base_batch_size", self.driver.initial_batch_size))
+        base = int(state.get("base_batch_size", self.lr_anchor or self.driver.initial_batch_size))
         self.coupling = LRCoupling(optimizer, base, rule=self.lr_rule, knee=self.lr_knee)
         if self._coupling_state is not None:
             self.coupling.load_state_dict(self._coupling_state)  # the loaded optimizer holds the scaled LRs

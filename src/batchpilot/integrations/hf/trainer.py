@@ -18,6 +18,7 @@ from ...controllers.boundary import needs_gradient_stats
 from ...engine.driver import SizeDriver
 from ...engine.replay import keep_finished_step
 from ...lr import lr_factor
+from .auto import check_auto
 from .callbacks import BatchpilotCallback, SampleProgressCallback, add_logs
 from .checks import check_arguments, check_scheduler_argument, check_step_options, sync_each_batch_problem
 from .data import (
@@ -119,6 +120,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
         if problem is not None:
             raise ValueError(problem)
         lr_factor(lr_rule, 1, 1, lr_knee)  # validates the rule
+        check_auto(batch_size_scheduler, lr_rule, self.data_parallel_size)
         self.batchpilot: HFRun | None = None
         self._bp_resume: str | None = None
         self._bp_passes = StepPasses(
