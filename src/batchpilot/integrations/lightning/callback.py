@@ -15,7 +15,9 @@ from ...clipping import grad_norm
 from ...controllers.boundary import needs_gradient_stats
 from ...data.micro_batch import MicroBatch
 from ...engine.driver import SizeDriver
+from .._auto import auto_controller
 from .._step_stats import StepStats, check_measurable
+from .auto import resolve_auto, start_probes
 from .checkpoint import StepStart
 from .checks import check_batch_limit, check_fixed_accumulation, validate_at_epoch_end
 from .loader import AdaptiveLoader, Fits
@@ -35,7 +37,9 @@ class AdaptiveBatchSize(Callback):
     Args:
         controller: A batchpilot controller, a seed-003 callable ``(step, current_size) -> size``, or
             ``None`` (constant size, still with exact coverage and resumable data).
-        batch_size: Global batch size of the first optimizer step (samples over all ranks).
+        batch_size: Global batch size of the first optimizer step (samples over all ranks), or ``"auto"``: the
+            automatic mode (controller ``Auto()`` unless an ``Auto`` is given; at the start of the fit the start
+            probes find the knee of the throughput curve and the LR there, see docs/integrations-lightning.md).
         min_batch_size, max_batch_size: Bounds every decision is clamped to.
         decide_every: Ask the controller after every ``decide_every``-th optimizer step.
         on_invalid: ``"raise"`` or ``"keep"`` for a controller that returns an unusable size.
@@ -56,7 +60,7 @@ class AdaptiveBatchSize(Callback):
         self,
         controller: Any = None,
         *,
-        batch_size: int,
+        batch_size: int | str,
         min_batch_size: int | None = None,
         max_batch_size: int | None = None,
         decide_every: int = 1,
@@ -64,6 +68,7 @@ class AdaptiveBatchSize(Callback):
         log: bool = True,
         noise_every: int | None = None,
     ) -> None:
+        controller, batch_size = resolve_auto(controller, batch_size)
         self.initial_batch_size = batch_size
         self.driver = SizeDriver(  # validates now
             controller=controller, batch_size=batch_size, min_batch_size=min_batch_size,
@@ -84,6 +89,8 @@ class AdaptiveBatchSize(Callback):
         self._losses = StepLosses()
         self._inflight = 0  # samples of the step whose optimizer update ran but which is not counted yet
         self._step_start = StepStart()
+        self.probing = False  # True while training_step runs for a start probe (batch_size="auto")
+        self.probe_records: list[dict[str, Any]] = []  # the start probes' records (this fit's, when it probed)
 
     # ------------------------------------------------------------------ the loader
     def dataloader(
@@ -124,6 +131,12 @@ class AdaptiveBatchSize(Callback):
     def batch_size(self) -> int:
         """Global batch size of the next optimizer step."""
         return self.initial_batch_size if self._loader is None else self._loader.batch_size
+
+    @property
+    def probe(self) -> Any:
+        """What the start probes found (``batch_size="auto"``: ``Auto``'s
+        :class:`~batchpilot.controllers.auto.ProbeResult`, kept in checkpoints), or ``None``."""
+        return getattr(self.driver.controller, "probe", None)
 
     @property
     @_eager
@@ -200,6 +213,8 @@ class AdaptiveBatchSize(Callback):
         check_batch_limit(trainer)
         validate_at_epoch_end(trainer)
         check_fixed_accumulation(trainer, self._loader.built_for_this_fit())
+        if auto_controller(self.driver.controller) is not None:
+            start_probes(self, trainer, pl_module)  # batch_size="auto": start at the knee with the found LR
         self._measure_this_fit(trainer, pl_module)
 
     def _measure_this_fit(self, trainer: Any, pl_module: Any) -> None:
