@@ -205,7 +205,7 @@ WORKLOADS: dict[str, Workload] = {
         Workload(
             name="markov",
             description="which of 10 similar Markov chains wrote a 64-symbol sequence (60k train / 4k test, "
-            "generated; Bayes-optimal 96.6%) with a GRU (hidden 192); Adam, lr 0.001 at batch 32, sqrt LR rule",
+            "generated; Bayes-optimal 96.6%) with a GRU (hidden 256); Adam, lr 0.001 at batch 32, sqrt LR rule",
             build_data=markov_data,
             build_model=markov_gru,
             base_lr=0.001,
