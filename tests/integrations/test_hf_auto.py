@@ -93,7 +93,9 @@ def test_auto_resume_after_the_probes_does_not_probe_again(tmp_path):
         assert torch.equal(a, b)
 
 
-def test_auto_refuses_the_linear_rule(tmp_path):
-    with pytest.raises(ValueError, match="lr_rule='linear' with batch_size_scheduler=Auto"):
-        AdaptiveBatchSizeTrainer(batch_size_scheduler=Auto(), model=Recorder(), train_dataset=PointSet(16),
-                                 data_collator=collate_fn, lr_rule="linear", args=quiet_args(tmp_path))
+@pytest.mark.parametrize("switch", ["auto", Auto()])
+def test_auto_refuses_the_linear_rules(tmp_path, switch):
+    for rule in ("linear", "linear-then-sqrt"):
+        with pytest.raises(ValueError, match=f"lr_rule='{rule}' with batch_size_scheduler=Auto"):
+            AdaptiveBatchSizeTrainer(batch_size_scheduler=switch, model=Recorder(), train_dataset=PointSet(16),
+                                     data_collator=collate_fn, lr_rule=rule, args=quiet_args(tmp_path))

@@ -16,7 +16,14 @@ from ...controllers.auto import Auto
 from ...data.micro_batch import MicroBatch
 from .._auto import run_start_probes
 
-__all__ = ["check_auto", "start_probes"]
+__all__ = ["check_auto", "resolve_auto", "start_probes"]
+
+
+def resolve_auto(batch_size_scheduler: Any) -> Any:
+    """``batch_size_scheduler="auto"`` is ``Auto()`` with its defaults; anything else is returned as it is."""
+    if isinstance(batch_size_scheduler, str) and batch_size_scheduler == "auto":
+        return Auto()
+    return batch_size_scheduler
 
 
 def check_auto(controller: Any, lr_rule: Any, world_size: int) -> None:

@@ -18,7 +18,7 @@ from ...controllers.boundary import needs_gradient_stats
 from ...engine.driver import SizeDriver
 from ...engine.replay import keep_finished_step
 from ...lr import lr_factor
-from .auto import check_auto
+from .auto import check_auto, resolve_auto
 from .callbacks import BatchpilotCallback, SampleProgressCallback, add_logs
 from .checks import check_arguments, check_scheduler_argument, check_step_options, sync_each_batch_problem
 from .data import (
@@ -45,6 +45,10 @@ class AdaptiveBatchSizeTrainer(Trainer):
         batch_size_scheduler: A seed-003 callable ``(step, current_size) -> size``, any batchpilot
             controller (``decide(Observation) -> int``), or ``None`` (constant size). Sizes are global
             samples per optimizer step; ``step`` is the number of steps completed.
+            ``"auto"`` (or ``batchpilot.controllers.Auto(...)``) is the automatic mode: before Trainer's loop the
+            start probes find the knee of the throughput curve and an LR there (LR range test) with the trainer's
+            ``compute_loss``, the pre-probe state is restored and the run starts at the knee with that LR
+            (``per_device_train_batch_size`` then sets no step's size); see docs/integrations-hf.md.
         *args, **kwargs: Everything ``transformers.Trainer`` takes (``model``, ``args``, ``train_dataset``,
             ``eval_dataset``, ``data_collator``, ``callbacks``, ...).
         min_batch_size, max_batch_size: Bounds every decision is clamped to.
@@ -98,6 +102,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
         oom_recovery: bool = False,
         **kwargs: Any,
     ) -> None:
+        batch_size_scheduler = resolve_auto(batch_size_scheduler)
         check_scheduler_argument(batch_size_scheduler)
         super().__init__(*args, **kwargs)
         check_arguments(self)

@@ -68,10 +68,10 @@ class AdaptiveBatchSize(Callback):
         log: bool = True,
         noise_every: int | None = None,
     ) -> None:
-        controller, batch_size = resolve_auto(controller, batch_size)
-        self.initial_batch_size = batch_size
+        controller, first_size = resolve_auto(controller, batch_size)  # "auto": Auto's min_size until the probes
+        self.initial_batch_size: int = first_size
         self.driver = SizeDriver(  # validates now
-            controller=controller, batch_size=batch_size, min_batch_size=min_batch_size,
+            controller=controller, batch_size=first_size, min_batch_size=min_batch_size,
             max_batch_size=max_batch_size, decide_every=decide_every, on_invalid=on_invalid,
             num_samples=0, names=("controller", "batch_size"),
         )
