@@ -15,6 +15,7 @@ import torch
 from ...controllers.auto import Auto
 from ...data.micro_batch import MicroBatch
 from .._auto import run_start_probes
+from .._step_stats import check_measurable
 
 __all__ = ["check_auto_fit", "resolve_auto", "start_probes"]
 
@@ -63,6 +64,8 @@ def start_probes(callback: Any, trainer: Any, pl_module: Any) -> None:
     """Run the start probes for ``callback`` (whose controller is an ``Auto`` that has not probed): the fit then
     starts at the knee with the found LR. ``callback.probing`` is true while ``training_step`` runs for a probe."""
     check_auto_fit(trainer, pl_module)
+    # Auto reads the noise scale after the probes: refuse a fit that cannot measure it before probing, not after.
+    check_measurable(trainer.world_size, trainer.accumulate_grad_batches, manual=False)
     optimizer = trainer.optimizers[0]
     accumulation = trainer.accumulate_grad_batches
     clip, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
