@@ -43,7 +43,7 @@ __all__ = ["BenchCache", "code_hash", "default_cache_dir"]
 
 # Modules a static run never executes: editing them must not throw the cached grid away.
 _OFF_THE_STATIC_PATH = ("integrations/", "cli.py", "__main__.py", "_plotting.py", "bench/report.py", "bench/plots.py",
-                        "bench/summary.py", "bench/progress.py", "bench/cache.py", "engine/probes.py",
+                        "bench/summary.py", "bench/progress.py", "bench/cache.py", "engine/probes.py", "engine/probe_core.py",
                         "lr/range_test.py")
 _CONTROLLERS_USED = ("controllers/__init__.py", "controllers/base.py", "controllers/boundary.py")
 
