@@ -99,3 +99,26 @@ def test_auto_refuses_the_linear_rules(tmp_path, switch):
         with pytest.raises(ValueError, match=f"lr_rule='{rule}' with batch_size_scheduler=Auto"):
             AdaptiveBatchSizeTrainer(batch_size_scheduler=switch, model=Recorder(), train_dataset=PointSet(16),
                                      data_collator=collate_fn, lr_rule=rule, args=quiet_args(tmp_path))
+
+
+def test_auto_run_is_the_run_started_by_hand_at_the_knee_with_the_found_lr(tmp_path):
+    """The probes leave no trace: the auto run trains the same steps as a constant-size run at the knee with
+    the found LR from the same weights, to the same weights (to rounding: the second param group's LR is the
+    first's scaled by the found ratio)."""
+    data = PointSet(256)
+    model, trainer = make(tmp_path / "a", data, gradient_accumulation_steps=2)
+    steps = record_steps(trainer)
+    trainer.train()
+    probe = trainer.batchpilot.probe
+    reference = Recorder()
+    by_hand = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=None, model=reference, train_dataset=data, data_collator=collate_fn,
+        args=quiet_args(tmp_path / "b", per_device_train_batch_size=probe.start_size // 2,
+                        gradient_accumulation_steps=2, num_train_epochs=1, learning_rate=probe.lr, optim="sgd",
+                        lr_scheduler_type="constant", weight_decay=0.0))
+    reference_steps = record_steps(by_hand)
+    by_hand.train()
+    assert [(s.global_size, s.indices.tolist()) for s in steps] == \
+        [(s.global_size, s.indices.tolist()) for s in reference_steps]
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

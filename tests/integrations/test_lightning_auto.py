@@ -118,3 +118,38 @@ def test_auto_bad_combinations(tmp_path):
                         callbacks=[adaptive])
     with pytest.raises(ValueError, match="manual optimization.*\n.*2 optimizers"):
         trainer.fit(model)
+
+
+class FixedLR(Model):
+    """``Model`` (no probes, bookkeeping of every step) with SGD at ``lr``."""
+
+    lr = 0.1
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def test_auto_fit_is_the_fit_started_by_hand_at_the_knee_with_the_found_lr(tmp_path):
+    """The probes leave no trace: the auto fit is bitwise the fit of a constant size at the knee with the found
+    LR, started from the same weights, data order and generators (Auto grows no further within this fit)."""
+    model, adaptive, _ = fit(tmp_path)
+    probe = adaptive.probe
+    FixedLR.lr = probe.lr
+    by_hand = AdaptiveBatchSize(batch_size=probe.start_size)
+    reference = FixedLR(by_hand, make_data(N), val=False)
+    L.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+              num_sanity_val_steps=0, accumulate_grad_batches=2, callbacks=[by_hand]).fit(reference)
+    assert [(s["size"], s["micro"]) for s in model.steps] == [(s["size"], s["micro"]) for s in reference.steps]
+    assert all(torch.equal(a, b) for a, b in zip(model.net.parameters(), reference.net.parameters()))
+
+
+def test_auto_refuses_one_micro_batch_per_step_before_probing(tmp_path):
+    adaptive = AdaptiveBatchSize(small_auto(), batch_size="auto")
+    model = AutoModel(adaptive, make_data(N), val=False)
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                        callbacks=[adaptive])
+    with pytest.raises(ValueError, match="accumulate_grad_batches >= 2"):
+        trainer.fit(model)
+    assert adaptive.probe is None and adaptive.probe_records == []
