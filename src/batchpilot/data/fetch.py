@@ -80,7 +80,7 @@ def _index_tensors(tensors: tuple[torch.Tensor, ...], indices: Any) -> list[torc
     """Collate a TensorDataset batch by indexing (what default_collate would build, without the loop)."""
     index = torch.from_numpy(np.array(indices, dtype=np.int64))  # a copy: the epoch order is read-only
     # index_select needs the index on the tensor's device (a dataset may already live on the GPU).
-    return [t.index_select(0, index if t.device.type == "cpu" else index.to(t.device)) for t in tensors]
+    return [t.index_select(0, index if t.is_cpu else index.to(t.device)) for t in tensors]
 
 
 def fetch_in_process(dataset: Any, collate_fn: Callable[[list[Any]], Any], indices: np.ndarray) -> Any:

@@ -191,6 +191,10 @@ class SizeDriver:
         decided = self.next_size(global_batch_size, epoch=epoch, coverage=coverage, stats=stats)
         return global_batch_size if decided is None else decided.global_batch_size
 
+    def due(self) -> bool:
+        """Whether the controller is asked after the current step (one of every ``decide_every``)."""
+        return self.controller is not None and self.step % self.decide_every == 0
+
     def next_size(self, global_batch_size: int, *, epoch: int, coverage: float,
                   stats: Mapping[str, float] | None = None, override: int | None = None,
                   on_failure: Callable[[BaseException], None] | None = None) -> Decision | None:
@@ -205,7 +209,7 @@ class SizeDriver:
             InvalidDecisionError: the controller returned an unusable size and ``on_invalid="raise"``.
             RuntimeError: rank 0's controller failed (raised on the other ranks).
         """
-        due = self.controller is not None and self.step % self.decide_every == 0
+        due = self.due()
         if override is None and not due:
             return None
         source = "user" if override is not None else controller_name(self.controller)
@@ -346,6 +350,8 @@ class Decisions:
         the decision (``None``: nothing decided)."""
         global_batch_size, driver = self.loader.batch_size, self.driver
         override, self.override = self.override, None
+        if override is None and not driver.due():
+            return None  # nothing decides after this step: no observation to build (the common case's cost)
         stats = observed_stats(record, world_size=driver.world_size or 1,
                                max_micro_batch_size=self.loader.max_micro_batch_size)
         decided = driver.next_size(global_batch_size, epoch=record["epoch"], coverage=record["coverage"], stats=stats,

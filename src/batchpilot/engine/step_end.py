@@ -37,7 +37,10 @@ def reduce_step_loss(losses: Sequence[tuple[torch.Tensor, float]], global_batch_
     Raises:
         RuntimeError: the ranks trained steps of different global batch sizes.
     """
-    loss_sum = sum(value * weight for value, (_, weight) in zip(read_scalars([loss for loss, _ in losses]), losses))
+    if len(losses) == 1:  # (one micro-batch: the common case) the same sum, without the lists
+        loss_sum = losses[0][0].item() * losses[0][1]
+    else:
+        loss_sum = sum(value * weight for value, (_, weight) in zip(read_scalars([loss for loss, _ in losses]), losses))
     if world_size > 1:
         # The size and its square ride along (no extra collective): ranks that disagree cannot sum to both.
         square = global_batch_size * global_batch_size
@@ -51,6 +54,12 @@ def reduce_step_loss(losses: Sequence[tuple[torch.Tensor, float]], global_batch_
                 "batchpilot.distributed.broadcast_int)."
             )
     return loss_sum / global_batch_size
+
+
+def cpu_grad_norm(params: list[torch.nn.Parameter]) -> float:
+    """:func:`~batchpilot.clipping.grad_norm` of float32/float64 CPU gradients, the same sum without its checks."""
+    grads = [p.grad for p in params if p.grad is not None]
+    return math.sqrt(sum(float(n) ** 2 for n in torch._foreach_norm(grads))) if grads else 0.0
 
 
 class Gradients:
@@ -77,6 +86,8 @@ class Gradients:
     def refresh(self) -> None:
         """Re-read the trainable parameters and the optimizer's."""
         self.params = [p for p in self._all if p.requires_grad]
+        # float32/64 gradients on the CPU: their norm needs none of grad_norm's cases (low precision, devices)
+        self.cpu_wide = all(p.device.type == "cpu" and p.dtype in (torch.float32, torch.float64) for p in self.params)
         held = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
         self.unheld = [p for p in self.params if id(p) not in held]
 
@@ -156,7 +167,9 @@ class StepEnd:
         # With a GradScaler and AdaScale the norm tells an overflowing step (skipped: no AdaScale progress).
         needs_norm = self.skip_nonfinite or self.grad_clip is not None or measuring or \
             (scaler is not None and self.adascale is not None)
-        norm = grad_norm(params) if needs_norm else float("nan")
+        norm = float("nan")
+        if needs_norm:
+            norm = cpu_grad_norm(params) if self.grads.cpu_wide else grad_norm(params)
         stats = {}
         if self.noise is not None:
             reduce = bpdist.all_reduce_sum if self.world_size > 1 else None
