@@ -215,6 +215,7 @@ class AdaptiveBatchSize(Callback):
         check_fixed_accumulation(trainer, self._loader.built_for_this_fit())
         if auto_controller(self.driver.controller) is not None:
             start_probes(self, trainer, pl_module)  # batch_size="auto": start at the knee with the found LR
+            self.driver.start_clock()  # the probes' time is not the first step's
         self._measure_this_fit(trainer, pl_module)
 
     def _measure_this_fit(self, trainer: Any, pl_module: Any) -> None:
