@@ -122,3 +122,17 @@ def test_auto_run_is_the_run_started_by_hand_at_the_knee_with_the_found_lr(tmp_p
         [(s.global_size, s.indices.tolist()) for s in reference_steps]
     for a, b in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_auto_with_a_warm_up_schedule_probes_at_the_base_lr_and_rescales_the_schedule(tmp_path):
+    """A linear warm-up sets the first step's LR to 0: the probes run at the schedule's base LR, and afterwards
+    the schedule's base LRs (and every group's initial_lr) are the found LR; two epochs cover every sample twice."""
+    data = PointSet(256)
+    _, trainer = make(tmp_path, data, lr_scheduler_type="linear", warmup_steps=2, num_train_epochs=2)
+    steps = record_steps(trainer)
+    trainer.train()
+    probe = trainer.batchpilot.probe
+    assert probe.lr is not None and probe.lr != 0.05
+    assert trainer.lr_scheduler.base_lrs == [pytest.approx(probe.lr)] * 2
+    assert [g["initial_lr"] for g in trainer.optimizer.param_groups] == [pytest.approx(probe.lr)] * 2
+    assert sorted(int(i) for s in steps for i in s.indices) == sorted(list(range(len(data))) * 2)

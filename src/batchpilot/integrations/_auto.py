@@ -106,6 +106,13 @@ def _restore(model: torch.nn.Module, optimizer: Any, loader: AdaptiveDataLoader,
     restore_rng_states([snap["rng"]], 0, 1, snap["device"])
 
 
+def _at_base_lr(optimizer: Any) -> None:
+    """The probes run at the schedule's base LR (a warm-up may have set 0 for the first step). (Loading an
+    optimizer state replaces its param groups: read them anew after each restore.)"""
+    for group in optimizer.param_groups:
+        group["lr"] = float(group.get("initial_lr", group["lr"]))
+
+
 def run_start_probes(auto: Auto, *, model: torch.nn.Module, optimizer: Any, loader: AdaptiveDataLoader,
                      step: Callable[[list[MicroBatch]], float], schedulers: Iterable[Any] = (),
                      range_test_lr: bool = True) -> tuple[ProbeResult, list[dict[str, Any]]]:
@@ -117,10 +124,8 @@ def run_start_probes(auto: Auto, *, model: torch.nn.Module, optimizer: Any, load
     ``result.start_size``.
     """
     started = time.perf_counter()
-    groups = optimizer.param_groups
     snap = _snapshot(model, optimizer, loader)
-    for group in groups:  # the probes run at the schedule's base LR (a warm-up may have set 0 for step 0)
-        group["lr"] = float(group.get("initial_lr", group["lr"]))
+    _at_base_lr(optimizer)
     ctx = LocalContext(loader.sampler.num_samples, optimizer)
     runner = DirectSteps(loader, step)
     try:
@@ -128,8 +133,7 @@ def run_start_probes(auto: Auto, *, model: torch.nn.Module, optimizer: Any, load
         lr = at_min = None
         if range_test_lr:
             _restore(model, optimizer, loader, snap)  # the range test starts from the pre-probe weights too
-            for group in groups:
-                group["lr"] = float(group.get("initial_lr", group["lr"]))
+            _at_base_lr(optimizer)
             lr, at_min = drive(range_test(ctx, runner, auto, knee))
     finally:
         _restore(model, optimizer, loader, snap)
