@@ -4,10 +4,6 @@ exact coverage; a kill -9 during the start probes, or after them, resumes to the
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import _dist_helpers as h
@@ -15,12 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _script_runner import run_script
 from torch.utils.data import TensorDataset
 
 import batchpilot
 from batchpilot.controllers import Auto
 
-REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "_auto_script.py"
 NUM_SAMPLES = 203
 
@@ -84,13 +80,7 @@ def test_two_ranks_agree_on_the_probes_and_every_decision_and_cover_exactly(tmp_
 
 
 def run(out: Path, *args: str, expect_kill: bool = False) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(SCRIPT), str(out), *args], env=env, capture_output=True, text=True,
-                          timeout=240)
-    if expect_kill:
-        assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
-    else:
-        assert done.returncode == 0, done.stderr[-2000:]
+    run_script(SCRIPT, out, *args, expect_kill=expect_kill)
 
 
 def rows(path: Path) -> dict[int, tuple[int, list[int]]]:

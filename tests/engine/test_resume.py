@@ -4,30 +4,20 @@ after equal an uninterrupted run, sizes are identical and final weights are bitw
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _script_runner import run_script
 
 import batchpilot
 
 SCRIPT = Path(__file__).resolve().parents[1] / "_resume_script.py"
-REPO = Path(__file__).resolve().parents[2]
 
 
 def run(out: Path, *args: str, expect_kill: bool = False) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(SCRIPT), str(out), *args], env=env, capture_output=True, text=True,
-                          timeout=240)
-    if expect_kill:
-        assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
-    else:
-        assert done.returncode == 0, done.stderr[-2000:]
+    run_script(SCRIPT, out, *args, expect_kill=expect_kill)
 
 
 def read_ids(path: Path) -> list[tuple[int, int, list[int]]]:
