@@ -19,7 +19,7 @@ from ._adaptive import check_real, check_size_bounds, check_state
 from .base import Observation
 from .goodput import Goodput
 
-__all__ = ["Auto", "ProbeResult", "pick_knee"]
+__all__ = ["Auto", "ProbeResult", "pick_knee", "resolve_auto_mode"]
 
 BOUNDS = ("knee", "max_size", "dataset", "memory")
 """Why the throughput sweep stopped: a doubling bought too little (``"knee"``), or the next size would pass
@@ -67,6 +67,27 @@ class ProbeResult:
                    bound=str(state["bound"]), lr=None if lr is None else float(lr),
                    lr_at_min=None if at_min is None else float(at_min), seconds=float(state["seconds"]),
                    steps=int(state["steps"]), max_micro_batch_size=None if micro is None else int(micro))
+
+
+def resolve_auto_mode(batch_size: Any, controller: Any) -> tuple[Any, Any, bool]:
+    """``(first batch size, controller, whether the automatic mode is on)`` for a loop's ``batch_size`` and
+    ``controller`` arguments: ``batch_size="auto"`` takes ``Auto()`` unless an :class:`Auto` is given, and starts at
+    its ``min_size`` until the probes find the knee (``Pilot`` and the Lightning callback use this).
+
+    Raises:
+        ValueError: ``batch_size="auto"`` with another controller, or :class:`Auto` with another batch size.
+    """
+    if isinstance(batch_size, str) and batch_size == "auto":
+        controller = Auto() if controller is None else controller
+        if not isinstance(controller, Auto):
+            raise ValueError(f"batch_size='auto' starts the automatic mode, whose controller is batchpilot.controllers"
+                             f".Auto; got controller={controller!r}. Pass no controller (or Auto(...)), or give an "
+                             "int batch_size to run that controller.")
+        return controller.min_size, controller, True
+    if isinstance(controller, Auto):
+        raise ValueError(f"the Auto controller needs batch_size='auto' (it picks the first size itself): pass "
+                         f"batch_size='auto', not batch_size={batch_size!r}, or use Goodput() with an int batch_size.")
+    return batch_size, controller, False
 
 
 def pick_knee(throughput: Sequence[tuple[int, float]], min_gain: float) -> tuple[int, bool]:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from .. import distributed as bpdist
-from ..controllers.auto import Auto, ProbeResult
+from ..controllers.auto import Auto, ProbeResult, resolve_auto_mode
 from .config import LRConfig, PilotConfig
 from .probe_core import Steps, range_test, set_base_lr, sweep
 from .snapshot import restore_snapshot, take_snapshot
@@ -52,19 +52,11 @@ def resolve_auto(batch_size: Any, controller: Any, config: PilotConfig) -> tuple
         ValueError: ``batch_size="auto"`` with another controller, ``Auto`` or ``lr_rule="auto"`` without it.
     """
     rule = config.lr.lr_rule
-    if isinstance(batch_size, str) and batch_size == "auto":
-        if controller is None:
-            controller = Auto()
-        if not isinstance(controller, Auto):
-            raise ValueError(f"batch_size='auto' starts the automatic mode, whose controller is batchpilot.controllers"
-                             f".Auto; got controller={controller!r}. Pass controller=None (or Auto(...)), or give an "
-                             "int batch_size to run that controller.")
+    batch_size, controller, on = resolve_auto_mode(batch_size, controller)
+    if on:
         if rule is None:
             config = replace(config, lr=replace(config.lr, lr_rule="auto"))
-        return controller.min_size, controller, config, True
-    if isinstance(controller, Auto):
-        raise ValueError(f"the Auto controller needs batch_size='auto' (it picks the first size itself); got "
-                         f"batch_size={batch_size!r}. Pass batch_size='auto', or use Goodput() with an int batch_size.")
+        return batch_size, controller, config, True
     if isinstance(rule, str) and rule == "auto":
         raise ValueError(f"lr_rule='auto' belongs to the automatic mode (the LR range test runs at the knee it finds);"
                          f" pass batch_size='auto' too, or another lr_rule with batch_size={batch_size!r}.")

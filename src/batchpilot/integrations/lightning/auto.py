@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ...controllers.auto import Auto
+from ...controllers.auto import resolve_auto_mode
 from ...data.micro_batch import MicroBatch
 from .._auto import run_start_probes
 from .._step_stats import check_measurable
@@ -27,16 +27,7 @@ def resolve_auto(controller: Any, batch_size: Any) -> tuple[Any, Any]:
     Raises:
         ValueError: ``batch_size="auto"`` with another controller, or ``Auto`` with an int batch size.
     """
-    if isinstance(batch_size, str) and batch_size == "auto":
-        controller = Auto() if controller is None else controller
-        if not isinstance(controller, Auto):
-            raise ValueError(f"batch_size='auto' starts the automatic mode, whose controller is batchpilot.controllers"
-                             f".Auto; got controller={controller!r}. Pass no controller (or Auto(...)), or give an "
-                             "int batch_size to run that controller.")
-        return controller, controller.min_size
-    if isinstance(controller, Auto):
-        raise ValueError(f"the Auto controller picks the first batch size itself: pass batch_size='auto', not "
-                         f"batch_size={batch_size!r}.")
+    batch_size, controller, _ = resolve_auto_mode(batch_size, controller)
     return controller, batch_size
 
 
