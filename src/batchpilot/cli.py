@@ -4,6 +4,7 @@
                      [--target-accuracy A] [--budget-s S] [--eval-every E] [--target-window W] [--out DIR] [--resume] [--quick]
                      [--cache-dir DIR] [--no-cache] [--list]
     batchpilot report LOG.jsonl|results.json --out DIR [--x samples|time]
+    batchpilot trace [--workload mnist1d,digits,seqsum] [--seed 0] [--out DIR] (see batchpilot.bench.trace_cmd)
 
 Bad input (an unknown policy or workload, a malformed number, a missing log) ends with a one-line message
 and exit status 2, never a traceback.
@@ -103,6 +104,9 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--x", choices=("samples", "time"), default="samples",
                         help="x axis of log plots: samples seen or wall time. Default: samples.")
     report.set_defaults(run=_report, subparser=report)
+    from .bench.trace_cmd import add_trace_parser
+
+    add_trace_parser(sub)
     return parser
 
 
