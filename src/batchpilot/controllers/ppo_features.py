@@ -88,7 +88,7 @@ def features(obs: Observation, min_size: int, max_size: int) -> np.ndarray:
     span = math.log2(max_size / min_size)
     out["batch_pos"] = math.log2(size / min_size) / span if span > 0 else 0.0
 
-    phi = read_stat(obs, "stats/noise_scale")
+    phi = _stat(obs, "stats/noise_scale")
     if phi is None or phi <= 0:
         out["noise_missing"] = 1.0
     else:
@@ -97,23 +97,23 @@ def features(obs: Observation, min_size: int, max_size: int) -> np.ndarray:
         out["eff_down"] = math.log2((phi + size) / (phi + down))
     out["loss_trend"] = _loss_trend(obs.losses)
 
-    util = read_stat(obs, "system/gpu_util")
+    util = _stat(obs, "system/gpu_util")
     if util is None:
-        util = read_stat(obs, "system/cpu_util")
-    mem = read_stat(obs, "system/gpu_mem_frac")
+        util = _stat(obs, "system/cpu_util")
+    mem = _stat(obs, "system/gpu_mem_frac")
     if mem is None:
-        mem = read_stat(obs, "system/mem_used_frac")
+        mem = _stat(obs, "system/mem_used_frac")
     out["util"] = 0.5 if util is None else _clip(util / 100.0, 0.0, 1.0)
     out["mem"] = 0.5 if mem is None else _clip(mem, 0.0, 1.0)
     out["system_missing"] = 1.0 if util is None else 0.0
 
-    world_stat = read_stat(obs, "dist/world_size")
+    world_stat = _stat(obs, "dist/world_size")
     world = 1 if world_stat is None or world_stat < 1 else int(world_stat)
     out["world"] = _clip(math.log2(world) / 6.0, 0.0, 1.5)
     out["healthy"] = 1.0
     if world > 1:
-        latency = read_stat(obs, "cluster/latency_s")
-        comm, healthy, load = (read_stat(obs, f"cluster/{k}") for k in ("comm_frac", "healthy_frac", "load"))
+        latency = _stat(obs, "cluster/latency_s")
+        comm, healthy, load = (_stat(obs, f"cluster/{k}") for k in ("comm_frac", "healthy_frac", "load"))
         if latency is not None and latency > 0:
             out["latency"] = _clip((math.log10(latency) + 6.0) / 4.0, 0.0, 1.0)
         out["comm"] = 0.0 if comm is None else _clip(comm, 0.0, 1.0)
@@ -134,18 +134,26 @@ def features(obs: Observation, min_size: int, max_size: int) -> np.ndarray:
     return np.array([out[name] for name in FEATURES], dtype=np.float32)
 
 
+def _stat(obs: Observation, key: str) -> float | None:
+    """:func:`read_stat` with a fast path for a plain finite float."""
+    value = obs.stats.get(key) if obs.stats is not None else None
+    if type(value) is float:
+        return value if math.isfinite(value) else None
+    return None if value is None else read_stat(obs, key)
+
+
 def _model(obs: Observation, world: int) -> tuple[float, float, float, int | None, int, int | None] | None:
     """``(a, b, overhead, max_micro, world, fixed_accum)`` of the engine's step-time model, or ``None`` when it is not fitted or
     predicts a zero step time (negative coefficients count as 0, as in Goodput)."""
-    a, b = read_stat(obs, "perf/micro_time_a_s"), read_stat(obs, "perf/micro_time_b_s")
+    a, b = _stat(obs, "perf/micro_time_a_s"), _stat(obs, "perf/micro_time_b_s")
     if a is None or b is None:
         return None
-    overhead = max(read_stat(obs, "perf/step_overhead_s") or 0.0, 0.0)
+    overhead = max(_stat(obs, "perf/step_overhead_s") or 0.0, 0.0)
     a, b = max(a, 0.0), max(b, 0.0)
     if a == 0.0 and b == 0.0 and overhead == 0.0:
         return None
-    micro = read_stat(obs, "perf/max_micro_batch_size")
-    accum = read_stat(obs, "perf/accumulation_steps")
+    micro = _stat(obs, "perf/max_micro_batch_size")
+    accum = _stat(obs, "perf/accumulation_steps")
     return (a, b, overhead, None if micro is None or micro < 1 else int(micro), world,
             None if accum is None or accum < 1 else int(accum))
 
@@ -157,15 +165,15 @@ def _loss_trend(losses: Sequence[float]) -> float:
     except (TypeError, ValueError):
         return 0.0
     y = y[np.isfinite(y)]
-    if y.size < MIN_LOSSES:
+    n = y.size
+    if n < MIN_LOSSES:
         return 0.0
-    scale = float(np.mean(np.abs(y)))
+    scale = float(np.abs(y).sum()) / n
     if scale <= 0.0:
         return 0.0
-    x = np.arange(y.size, dtype=np.float64)
-    x -= x.mean()
-    slope = float(np.dot(x, y - y.mean()) / np.dot(x, x))
-    return _clip(slope * y.size / scale, -1.0, 1.0)
+    x = np.arange(n, dtype=np.float64) - (n - 1) / 2.0
+    slope = float(np.dot(x, y)) / (n * (n * n - 1) / 12.0)  # sum(x) = 0, sum(x^2) = n (n^2 - 1) / 12
+    return _clip(slope * n / scale, -1.0, 1.0)
 
 
 def _clip(value: float, lo: float, hi: float) -> float:
