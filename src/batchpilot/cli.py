@@ -5,6 +5,7 @@
                      [--cache-dir DIR] [--no-cache] [--list]
     batchpilot report LOG.jsonl|results.json --out DIR [--x samples|time]
     batchpilot trace [--workload mnist1d,digits,seqsum] [--seed 0] [--out DIR] (see batchpilot.bench.trace_cmd)
+    batchpilot rl train [--timesteps N] [--seed S] [--out DIR] (see batchpilot.bench.rl_cmd, docs/ppo.md)
 
 Bad input (an unknown policy or workload, a malformed number, a missing log) ends with a one-line message
 and exit status 2, never a traceback.
@@ -107,6 +108,9 @@ def _parser() -> argparse.ArgumentParser:
     from .bench.trace_cmd import add_trace_parser
 
     add_trace_parser(sub)
+    from .bench.rl_cmd import add_rl_parser
+
+    add_rl_parser(sub)
     return parser
 
 

@@ -156,9 +156,11 @@ def save_policy(policy: PolicyMLP, meta: PolicyMeta, path: str | Path) -> Path:
     if path.suffix != ".pt":
         raise ValueError(f"save_policy: {str(path)!r} must end in .pt (the metadata goes beside it as .json).")
     n_actions = policy.action_head.out_features
-    if policy.obs_dim != len(meta.features) or n_actions != len(meta.actions):
-        raise ValueError(f"save_policy: the network takes {policy.obs_dim} features and has {n_actions} actions, the "
-                         f"metadata lists {len(meta.features)} features and {len(meta.actions)} actions.")
+    hidden = tuple(m.out_features for m in policy.policy_net if isinstance(m, nn.Linear))
+    if policy.obs_dim != len(meta.features) or n_actions != len(meta.actions) or hidden != tuple(meta.hidden):
+        raise ValueError(f"save_policy: the network takes {policy.obs_dim} features, has {n_actions} actions and hidden "
+                         f"widths {hidden}; the metadata lists {len(meta.features)} features, {len(meta.actions)} "
+                         f"actions and {tuple(meta.hidden)}.")
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({k: v.detach().clone() for k, v in policy.state_dict().items()}, path)
     _meta_path(path).write_text(json.dumps(meta.to_json(), indent=1) + "\n", encoding="utf-8")

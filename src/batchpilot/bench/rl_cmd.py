@@ -1,0 +1,120 @@
+"""``batchpilot rl train``: train the PPO batch-size policy in the simulator and export it (docs/ppo.md).
+
+    batchpilot rl train --timesteps 200000 --seed 0 --out policy/
+
+writes ``OUT/ppo_default.pt`` and ``OUT/ppo_default.json`` (the files the package ships in
+``batchpilot/controllers/policies/``; the metadata records how they were made and the held-out evaluation) and
+``OUT/evaluation.json`` (one row per held-out simulated episode). Needs the optional extra ``rl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_rl_parser", "train_and_save"]
+
+POLICY_NAME = "ppo_default.pt"
+
+
+def _say(enabled: bool, text: str) -> None:
+    if enabled:
+        print(text, file=sys.stderr, flush=True)
+
+
+def _jsonable(value: Any) -> Any:
+    """``inf``/``nan`` as strings (strict JSON has neither)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def train_and_save(timesteps: int, seed: int, out: str | Path, *, n_envs: int = 8, eval_episodes: int = 20,
+                   threads: int = 1, progress: bool = True, **train_kw: Any) -> dict[str, Any]:
+    """Train (:func:`batchpilot.rl.train.train_policy`), evaluate on ``eval_episodes`` held-out simulated jobs
+    (:func:`batchpilot.rl.evaluate.evaluate_policy`; 0: skip) and write the files; return the evaluation
+    (``{}`` when skipped)."""
+    import torch
+
+    from ..controllers.ppo_policy import PolicyMeta, save_policy
+    from ..rl.evaluate import evaluate_policy, format_evaluation
+    from ..rl.train import train_policy
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    say = (lambda text: _say(True, text)) if progress else None
+    _say(progress, f"training PPO: {timesteps} decisions, seed {seed}, {n_envs} environments, {threads} thread(s)")
+    result = train_policy(timesteps, seed, n_envs, threads=threads, progress=say, **train_kw)
+    _say(progress, f"trained in {result.seconds:.0f} s")
+    evaluation: dict[str, Any] = {}
+    training = dict(result.meta.training)
+    training.update(command=f"batchpilot rl train --timesteps {timesteps} --seed {seed} --n-envs {n_envs} "
+                    f"--threads {threads} --eval-episodes {eval_episodes}",
+                    machine=f"{platform.machine()} {platform.system()}, torch {torch.__version__}",
+                    date=time.strftime("%Y-%m-%d", time.gmtime()))
+    if eval_episodes > 0:
+        _say(progress, f"evaluating on {eval_episodes} held-out simulated episodes")
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            evaluation = evaluate_policy((result.policy, result.meta), n=eval_episodes, progress=say)
+        finally:
+            torch.set_num_threads(previous)
+        training["evaluation"] = _jsonable(evaluation["summary"])
+        (out / "evaluation.json").write_text(json.dumps(_jsonable(evaluation), indent=1) + "\n", encoding="utf-8")
+        print(format_evaluation(evaluation))
+    meta = PolicyMeta(result.meta.features, result.meta.feature_low, result.meta.feature_high, result.meta.actions,
+                      result.meta.hidden, result.meta.activation, training)
+    path = save_policy(result.policy, meta, out / POLICY_NAME)
+    print(f"policy: {path} (metadata {path.with_suffix('.json')})")
+    return evaluation
+
+
+def add_rl_parser(sub: Any) -> None:
+    """Register ``batchpilot rl train`` on the subparsers ``sub`` of the main parser."""
+    rl = sub.add_parser("rl", help="train the PPO batch-size policy in the simulator",
+                        description="Reinforcement learning of the batch size (docs/ppo.md).")
+    rl_sub = rl.add_subparsers(dest="rl_command", metavar="ACTION")
+    rl_sub.required = True
+    p = rl_sub.add_parser("train", help="train PPO in the simulator and export the policy",
+                          description="Train PPO (stable-baselines3) on batchpilot.sim.env.BatchSizeEnv over the "
+                          "shipped traces and random clusters, evaluate it on held-out simulated jobs against the "
+                          "goodput oracle, Goodput and the best static batch, and write OUT/ppo_default.pt + .json "
+                          "(what PPOController(policy=...) loads) and OUT/evaluation.json.")
+    p.add_argument("--timesteps", type=int, default=200_000, help="decisions to train on. Default: 200000.")
+    p.add_argument("--seed", type=int, default=0, help="seed of PPO and the environments. Default: 0.")
+    p.add_argument("--out", default="ppo-policy", help="output folder. Default: ./ppo-policy.")
+    p.add_argument("--n-envs", type=int, default=8, help="parallel environments (one process). Default: 8.")
+    p.add_argument("--eval-episodes", type=int, default=20,
+                   help="held-out simulated episodes to evaluate on (0: skip). Default: 20.")
+    p.add_argument("--threads", type=int, default=1, help="torch threads. Default: 1.")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="print only the results.")
+    p.set_defaults(run=_run, subparser=p)
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    for name, value, low in (("--timesteps", args.timesteps, 1), ("--n-envs", args.n_envs, 1),
+                             ("--eval-episodes", args.eval_episodes, 0), ("--threads", args.threads, 1),
+                             ("--seed", args.seed, 0)):
+        if value < low:
+            parser.error(f"{name} must be a whole number >= {low}, got {value}.")
+    try:
+        train_and_save(args.timesteps, args.seed, args.out, n_envs=args.n_envs, eval_episodes=args.eval_episodes,
+                       threads=args.threads, progress=args.progress)
+    except ImportError as exc:
+        parser.exit(2, f"batchpilot rl train: error: {exc}\n")
+    except (ValueError, FileNotFoundError) as exc:
+        parser.error(str(exc))
+    except OSError as exc:
+        parser.exit(2, f"batchpilot rl train: error: {exc}\n")
+    return 0
