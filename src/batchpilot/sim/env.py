@@ -70,22 +70,23 @@ class Case:
 
 
 def random_cluster(rng: np.random.Generator) -> ClusterSpec:
-    """A random cluster for training: 1-64 devices (log-uniform), each ``f * s_i`` times the trace's recording
-    device (``f`` log-uniform in [1, 100]: CPUs to GPUs; half the clusters heterogeneous, ``s_i`` uniform in
-    [1 - h, 1], ``h`` up to 0.6), latency 5 us-200 us and bandwidth 1-25 GB/s (log-uniform), background load with a
+    """A random cluster for training: 1-64 devices (log-uniform) whose per-sample work is ``f`` times faster than the
+    trace's recording device, its fixed cost per step unchanged (``ClusterSpec.speedup``; ``f`` log-uniform in
+    [1, 100]: CPUs to GPUs), half the clusters heterogeneous (device speeds uniform in [1 - h, 1], ``h`` up to 0.6),
+    latency 5 us-200 us and bandwidth 1-25 GB/s (log-uniform), background load with a
     mean up to 0.5 and a day/night amplitude up to the mean, a failure rate up to 0.05 per device-hour on a third
     of the clusters."""
     n = int(round(2 ** rng.uniform(0.0, 6.0)))
     fast = 10 ** rng.uniform(0.0, 2.0)
     hetero = rng.uniform(0.0, 0.6) if rng.random() < 0.5 else 0.0
-    speeds = fast * (1.0 - hetero * rng.random(n))
+    speeds = 1.0 - hetero * rng.random(n)
     mean = rng.uniform(0.0, 0.5)
     network = Network(latency_s=float(10 ** rng.uniform(math.log10(5e-6), math.log10(2e-4))),
                       bandwidth_Bps=float(10 ** rng.uniform(9.0, math.log10(2.5e10))), load_mean=float(mean),
                       load_amplitude=float(rng.uniform(0.0, min(mean, 0.9 - mean))))
     fail = float(rng.uniform(0.0, 0.05)) if rng.random() < 1 / 3 else 0.0
     return ClusterSpec(devices=tuple(Device(speed=float(s)) for s in speeds), network=network,
-                       failure_rate_per_hour=fail)
+                       failure_rate_per_hour=fail, speedup=float(fast))
 
 
 def sample_case(rng: np.random.Generator, traces: Sequence[Trace], clusters: Sequence[ClusterSpec] | None, *,

@@ -212,7 +212,8 @@ def observation_stats(job: SimJob) -> dict[str, float]:
     * ``perf/micro_time_a_s``, ``perf/micro_time_b_s``, ``perf/step_overhead_s``, ``perf/max_micro_batch_size``,
       ``dist/world_size``: :meth:`Cluster.perf_stats` (what the engine's throughput model would report on the
       slowest healthy device); ``perf/step_time_s``, ``perf/samples_per_s``: the last step's.
-    * ``system/*`` and ``cluster/*``: ``cluster.observation_stats()`` (with ``observe_system``).
+    * ``system/*`` and ``cluster/*``: ``cluster.observation_stats()`` (with ``observe_system``), except
+      ``system/gpu_util``: the last step's mean device utilisation in percent, the engine monitor's unit.
     """
     trace, size = job.trace, job.batch_size
     at = trace.at(job.progress)
@@ -228,6 +229,8 @@ def observation_stats(job: SimJob) -> dict[str, float]:
     system = job.cluster.observation_stats()
     if job.observe_system:
         stats.update({k: float(v) for k, v in system.items() if k.startswith(("system/", "cluster/"))})
+        if job.last_step_time is not None:  # the engine's monitor reports percent (stats/system.py)
+            stats["system/gpu_util"] = 100.0 * float(job.last_step_time.utilization)
     return stats
 
 

@@ -1,0 +1,163 @@
+"""The simulated job (sim/episode.py) and the limit it is measured against (sim/oracle.py): closed-form instances,
+the greedy oracle against other policies, and our real controllers run through their own decide()."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from _sim_cases import make_trace
+
+from batchpilot.controllers import Goodput, InvalidDecisionError, NoiseScale
+from batchpilot.sim.cluster import ClusterSpec, Network
+from batchpilot.sim.episode import SimJob, drive, make_job, run_policy
+from batchpilot.sim.oracle import (
+    best_size,
+    best_static,
+    goodput_oracle,
+    goodput_policy,
+    run_controller,
+    static_sizes,
+)
+
+A, B_COEF, PHI, B0, P = 0.1, 1e-3, 2000.0, 64, 2e6
+
+
+def goodput(size: float, phi: float = PHI) -> float:
+    """Progress per second at a static ``size``: ``B E(B) / T(B)``, ``E = (phi + B0)/(phi + B)``, ``T = a + b B``."""
+    return size * (phi + B0) / (phi + size) / (A + B_COEF * size)
+
+
+def test_the_oracle_beats_every_static_batch_on_a_closed_form_instance():
+    """One device, step time ``T(B) = a + b B`` (a = 0.1 s, b = 1e-3 s), constant noise scale ``phi = 2000``,
+    ``B0 = 64``, target at progress ``P = 2e6``.
+
+    A static ``B`` advances progress at ``G(B) = B E(B) / T(B) = B (phi + B0) / ((phi + B)(a + b B))`` per second,
+    so it needs ``P / G(B)`` seconds. ``d log G / dB = 1/B - 1/(phi + B) - b/(a + b B) = 0`` gives
+    ``phi / (B (phi + B)) = b / (a + b B)``, i.e. ``phi a + phi b B = b B phi + b B^2``: ``B* = sqrt(a phi / b)
+    = sqrt(2e5) = 447.2``. The goodput does not change with progress, so the oracle picks ``B*`` (rounded) at once
+    and needs ``P / G(B*)``; every other static batch needs more. The simulator must reproduce each number: the
+    time to target is interpolated inside the step that crosses ``P``."""
+    trace, spec = make_trace(phi=PHI, a=A, b=B_COEF, base=B0, target_progress=P), ClusterSpec()
+    star = math.sqrt(A * PHI / B_COEF)
+    oracle = goodput_oracle(trace, spec)
+    assert oracle.reached and {h["batch_size"] for h in oracle.history} == {round(star)}
+    assert oracle.time_to_target_s == pytest.approx(P / goodput(round(star)), rel=1e-9)
+    sizes = static_sizes(32, 4096)
+    assert sizes[:4] == [32, 45, 64, 91] and sizes[-1] == 4096 and len(sizes) == 15
+    for size in sizes:
+        static = run_policy(lambda o, s=size: s, trace, spec, start_size=size)
+        assert static.time_to_target_s == pytest.approx(P / goodput(size), rel=1e-9)
+        assert oracle.time_to_target_s < static.time_to_target_s
+    best, result = best_static(trace, spec)
+    assert best == 512 and result.time_to_target_s == pytest.approx(P / goodput(512), rel=1e-9)  # 512 / 447 < 447 / 362
+    same = run_policy(lambda o: round(star), trace, spec, start_size=round(star))
+    assert same.time_to_target_s == pytest.approx(oracle.time_to_target_s, rel=1e-12)  # the oracle's static twin ties
+
+
+def test_with_a_rising_noise_scale_the_oracle_follows_the_optimum_and_beats_the_best_static_clearly():
+    """The same device, the noise scale rising from 100 to 1e5 along progress. The optimum moves: at each progress
+    ``B*(p) = sqrt(a phi(p) / b)`` clamped to [32, 4096], and the least time to target is
+    ``integral over [0, P] of dp / G(B*(p), p)`` (computed here by the trapezoid rule); the oracle, which holds its
+    size for 50 steps at a time, must come within 0.2% of it, and a static batch cannot follow (the best one, 256,
+    needs 7% more)."""
+    trace, spec = make_trace(phi=(100.0, 1e5), a=A, b=B_COEF, base=B0, target_progress=P), ClusterSpec()
+    p = np.linspace(0.0, P, 200_001)
+    phi = np.interp(p, trace.progress, trace.noise_scale)
+    star = np.clip(np.sqrt(A * phi / B_COEF), 32, 4096)
+    rate = 1.0 / goodput(star, phi)
+    least = float(np.sum((rate[1:] + rate[:-1]) / 2 * np.diff(p)))
+    oracle = goodput_oracle(trace, spec)
+    assert oracle.time_to_target_s == pytest.approx(least, rel=2e-3)
+    assert oracle.time_to_target_s >= least * (1 - 1e-4)
+    sizes = oracle.series("batch_size")
+    assert sizes[0] < 150 and sizes[-1] > 1000 and np.all(np.diff(sizes) >= -1)  # it grows with the noise scale
+    best, static = best_static(trace, spec)
+    assert oracle.time_to_target_s < 0.95 * static.time_to_target_s  # measured: 0.93 x static 256
+
+
+def test_greedy_is_not_beaten_by_other_policies_under_a_day_night_load_and_failures():
+    """Module docstring of sim/oracle.py: a size change costs nothing and the cluster's state follows the clock, so
+    no policy gets ahead of the greedy oracle's progress. Checked against 20 random and 10 near-oracle policies on an
+    8-device cluster whose network load swings over the job's length, with failures."""
+    trace = make_trace(phi=(200.0, 20000.0), a=0.02, b=2e-4, grad_bytes=40_000_000, target_progress=1e6)
+    spec = ClusterSpec.parse("gpus=8,bandwidth=1e9,load=0.4:0.4:600,fail=0.5,restart=20,repair=120")
+    oracle = goodput_oracle(trace, spec, seed=3)
+    assert oracle.reached and any(h["events"] for h in oracle.history)
+    rng = np.random.default_rng(0)
+    for k in range(30):
+        job = make_job(trace, spec, start_size=64, seed=3)
+        if k < 20:
+            choices = iter(np.round(2 ** rng.uniform(5, 12, 100_000)).astype(int))
+            choose = lambda j, c=choices: int(next(c))  # noqa: E731
+        else:
+            factor = iter(2 ** rng.uniform(-0.7, 0.7, 100_000))
+            choose = lambda j, f=factor: max(32, min(4096, round(best_size(j) * float(next(f)))))  # noqa: E731
+        other = drive(job, choose, first=True)
+        assert oracle.time_to_target_s <= other.time_to_target_s * (1 + 1e-9), k
+
+
+@pytest.mark.parametrize("cluster", ["cpu", "gpus=16,speedup=20"])
+def test_our_goodput_controller_reaches_the_target_in_the_simulator_no_faster_than_the_oracle(cluster):
+    trace = make_trace(phi=(200.0, 20000.0), a=0.02, b=2e-4, target_progress=1e6)
+    result = goodput_policy(trace, cluster, seed=1)
+    oracle = goodput_oracle(trace, cluster, seed=1)
+    assert result.reached and result.policy == "Goodput"
+    assert oracle.time_to_target_s <= result.time_to_target_s < 1.5 * oracle.time_to_target_s
+    assert len(set(result.series("batch_size"))) > 2  # it did adapt
+    noise = run_controller(NoiseScale(32, 4096), trace, cluster, seed=1)
+    assert noise.reached and noise.time_to_target_s >= oracle.time_to_target_s
+
+
+def test_decisions_pass_the_engine_boundary():
+    trace = make_trace()
+    for bad in (0, -3, math.nan, 2.5, "64", True):
+        with pytest.raises(InvalidDecisionError):
+            run_policy(lambda o, v=bad: v, trace, "cpu", start_size=64)
+    clamped = run_policy(lambda o: 10**9, trace, "cpu", start_size=64, max_size=1024)
+    assert set(clamped.series("batch_size")) == {64, 1024}
+    with pytest.raises(ValueError, match="start_size"):
+        run_policy(lambda o: 64, trace, "cpu", start_size=0)
+    with pytest.raises(ValueError, match="interval"):
+        run_policy(lambda o: 64, trace, "cpu", start_size=64, interval=0)
+
+
+def test_a_time_limit_ends_a_hopeless_job():
+    trace = make_trace()
+    result = run_policy(lambda o: 32, trace, "cpu", start_size=32, time_limit_s=100.0)
+    assert not result.reached and result.time_to_target_s == math.inf and 100.0 <= result.history[-1]["time_s"] < 110
+    job = make_job(trace, "cpu", start_size=64)
+    assert job.default_time_limit() == pytest.approx(5 * P / (32 * (PHI + 64) / (PHI + 32)) * (A + B_COEF * 32))
+
+
+def test_simulated_observations_carry_the_engine_s_keys_and_the_controllers_see_them():
+    trace = make_trace(phi=(200.0, 20000.0))
+    spec = ClusterSpec.parse("gpus=4,load=0.3")
+    job = make_job(trace, spec, start_size=128, seed=0)
+    job.run(50)
+    obs = job.observe()
+    for key in Goodput.required_stats[:-1]:  # all but the HF / Lightning loops' fixed accumulation
+        assert key in obs.stats, key
+    assert obs.stats["dist/world_size"] == 4 and obs.step == 50 and obs.samples_seen == 50 * 128
+    assert len(obs.losses) == 50 and obs.losses[-1] < obs.losses[0]
+    assert 0 < obs.stats["system/gpu_util"] <= 100  # percent, like the engine's monitor
+    assert obs.stats["cluster/load"] == pytest.approx(0.3) and obs.samples_per_s == pytest.approx(
+        128 / obs.stats["perf/step_time_s"])
+    quiet = make_job(trace, spec, start_size=128, observe_system=False)
+    quiet.run(50)
+    assert not [k for k in quiet.observe().stats if k.startswith(("system/", "cluster/"))]
+
+
+def test_a_job_that_starts_at_its_target_is_done_and_noise_is_seeded():
+    trace = make_trace()
+    job = SimJob(trace, make_job(trace, "cpu", start_size=64).cluster, 64, progress=3e6)
+    assert job.done and job.time_to_target_s == 0.0
+    noisy = [make_job(trace, "cpu", start_size=64, seed=s, observation_noise=0.2) for s in (5, 5, 6)]
+    for j in noisy:
+        j.run(50)
+    values = [j.observe().stats["stats/noise_scale"] for j in noisy]
+    assert values[0] == values[1] != values[2] and values[0] != PHI
+    with pytest.raises(ValueError, match="observation_noise"):
+        make_job(trace, "cpu", start_size=64, observation_noise=-1.0)
+    assert Network().load(0.0) == 0.0
