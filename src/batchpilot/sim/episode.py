@@ -12,7 +12,8 @@ boundary (:func:`batchpilot.controllers.validate_decision`: invalid values raise
 ``[min_size, max_size]``). The batch size is constant between two decisions, so the steps of one interval are
 simulated together: the step time is read once per interval (it depends on the clock only through the network's
 background load, which moves on a scale of hours, and on failures, drawn by ``cluster.advance`` for the interval's
-span), and the efficiency of each step is taken at the progress a first pass over the interval predicts for it.
+span), and the efficiency of each step is taken at the progress it starts from, found by two fixed-point passes
+over the interval (from the interval's first efficiency).
 
 **Rescale cost.** Changing the global batch size on the same devices costs nothing here, on one device or many:
 batchpilot's sampler plans the next step at the new size, no process restarts (Pollux's restart cost is for
@@ -136,8 +137,10 @@ class SimJob:
         seconds = float(st.seconds)
         k = np.arange(steps, dtype=np.float64)
         guess = self.progress + k * size * self.efficiency(size, self.progress)  # progress before each step
-        gains = size * self.efficiency(size, guess)
-        reached = self.progress + np.cumsum(gains)  # progress after each step
+        for _ in range(2):  # two fixed-point passes: each step's efficiency at the progress it starts from
+            gains = size * self.efficiency(size, guess)
+            reached = self.progress + np.cumsum(gains)  # progress after each step
+            guess[1:] = reached[:-1]
         n = steps
         crossing = math.inf
         if reached[-1] >= self.target:
