@@ -29,6 +29,7 @@ QUICK = {"seeds": "0", "policies": "quick"}
 
 def _parser() -> argparse.ArgumentParser:
     from . import __version__
+    from .bench.cluster_clock import CLOCK_HELP
     from .bench.policies import NAMED_SETS, POLICY_HELP
     from .bench.workloads import WORKLOADS
 
@@ -92,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-cache", dest="cache", action="store_false",
                        help="train every run and calibrate afresh; read and write no cache.")
     bench.add_argument("--no-progress", dest="progress", action="store_false", help="print only the results.")
+    bench.add_argument("--clock", default=None, help=f"{CLOCK_HELP}. Default: none.")
     bench.set_defaults(run=_bench, subparser=bench)
 
     report = sub.add_parser(
@@ -154,6 +156,7 @@ def _data_dir(option: str | None) -> Path | None:
 
 
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .bench.cluster_clock import cluster_clock_lines
     from .bench.policies import parse_policies
     from .bench.report import format_table, write_index, write_report
     from .bench.runner import run_benchmark
@@ -220,7 +223,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         try:
             results = run_benchmark(workload, policies, seeds, target, budget, folder, args.eval_every, args.progress,
                                     calibrate_steps=args.calibrate_steps, tune_factors=factors, resume=args.resume,
-                                    device=args.device, target_window=args.target_window, cache_dir=cache)
+                                    device=args.device, target_window=args.target_window, cache_dir=cache,
+                                    clock=args.clock)
         except (ImportError, FileNotFoundError) as exc:  # a missing optional extra, or a real data set not there
             parser.exit(2, f"batchpilot bench: error: {exc}\n")
         except ValueError as exc:  # --resume from a damaged or different results.json, or an unusable --device
@@ -242,6 +246,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         for key in ("a", "b", "c", "d"):
             entry = results["targets"][key]
             print(f"target ({key}): {entry['status']}: {entry['text']}")
+        for line in cluster_clock_lines(results):
+            print(line)
         written = write_report(results, folder)
         beside = "plots and results.json" if len(written) > 1 else "results.json; no plots without matplotlib"
         print(f"\nreport: {folder / 'report.md'} ({beside} beside it)")

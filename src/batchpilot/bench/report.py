@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .._plotting import figures
+from .cluster_clock import cluster_clock_lines
 from .plots import plot_bench, plot_log
 from .summary import category, finish_results
 
@@ -179,6 +180,7 @@ def _markdown(results: dict[str, Any], plots: dict[str, Path]) -> str:
         "",
         *_grid_table(results),
         *critical_batch_lines(results),
+        *cluster_clock_lines(results),
     ]
     for key, title in (("accuracy_vs_time", "accuracy vs time"), ("batch_size_vs_time", "batch size vs time"),
                        ("noise_scale", "noise scale over training")):

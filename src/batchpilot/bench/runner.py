@@ -47,6 +47,7 @@ import torch
 
 from .cache import BenchCache
 from .calibrate import Calibration, calibrate, size_grid, warm_up
+from .cluster_clock import MeasuredDevice, add_cluster_clock, parse_clock
 from .policies import DESCRIPTIONS, POLICY_HELP, TUNE_FACTORS, Policy, parse_policies, parse_policy, workload_grid
 from .progress import Progress, run_line
 from .report import check_results
@@ -169,6 +170,7 @@ def run_benchmark(
     device: str | torch.device = "cpu",
     target_window: int = 1,
     cache_dir: str | os.PathLike | None = None,
+    clock: str | None = None,
 ) -> dict[str, Any]:
     """Train ``workload`` under every policy for every seed and report the time to ``target_accuracy``.
 
@@ -196,6 +198,9 @@ def run_benchmark(
             constant LR, so that one lucky evaluation does not decide (docs/benchmark.md#how-robust-is-time-to-target).
         cache_dir: Keep static runs and the calibration in this folder and reuse those an earlier bench with the
             same settings left there (:mod:`.cache`; such runs carry ``"cached": true``). ``None``: no cache.
+        clock: ``"cluster:SPEC"``: also report the time to target the same runs would take on a simulated cluster
+            (:mod:`.cluster_clock`; ``results["cluster_clock"]``, labelled simulated). ``None``: wall time and the
+            cost model only.
 
     Returns:
         The results dict, also written to ``out_dir/results.json`` (schema in docs/benchmark.md):
@@ -223,6 +228,8 @@ def run_benchmark(
     if isinstance(target_window, bool) or not isinstance(target_window, int) or target_window < 1:
         raise ValueError(f"target_window must be a positive int (evaluations averaged), got {target_window!r}; "
                          "1 counts the first evaluation at or above the target.")
+    if clock is not None:
+        parse_clock(clock)  # a bad spec fails before any training
     dev = resolve_device(device)
     out = Path(out_dir)
     show = Progress(progress)
@@ -337,6 +344,9 @@ def run_benchmark(
             finish_results(results)
             write_json(out / "results.json", results)
             show.finish(run_line(label, run, target))
+    if clock is not None:
+        params = sum(p.numel() for p in wl.build_model(seeds[0]).parameters())
+        add_cluster_clock(results, clock, MeasuredDevice.from_calibration(cal, 4 * params, hi))
     write_json(out / "results.json", results)  # also when a resumed bench had nothing left to train
     return results
 
