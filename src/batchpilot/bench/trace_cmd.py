@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -43,10 +44,12 @@ def record_workload_trace(workload: str | Workload, seed: int = 0, *, batch_size
                           budget_s: float = 300.0, eval_every: float = 0.02, noise_every: int = 2,
                           target: float | None = None, max_size: int | None = None, calibrate_steps: int = 4,
                           calibrate_rounds: int = 3, max_points: int = 200, device: str = "cpu",
-                          progress: bool = True, command: str | None = None) -> Trace:
+                          progress: bool = True, command: str | None = None,
+                          keep_log: str | os.PathLike | None = None) -> Trace:
     """Train ``workload`` statically at ``batch_size`` (default: its base batch) until its target (default: the
     workload's) or ``budget_s`` training seconds, calibrate the step time at doubling sizes up to ``max_size``
-    (default: the workload's largest batch), and return the trace (see the module docstring)."""
+    (default: the workload's largest batch), and return the trace (see the module docstring). ``keep_log``: where
+    to copy the run's JSONL log (default: it is deleted)."""
     w = get_workload(workload)
     size = batch_size or w.base_batch_size
     target = w.target_accuracy if target is None else target
@@ -91,6 +94,8 @@ def record_workload_trace(workload: str | Workload, seed: int = 0, *, batch_size
         trace = record_trace(log_path, evaluations, calibration.sizes, calibration.step_s, workload=w.name,
                              target=target, num_samples=len(train), grad_bytes=grad_bytes, base_batch_size=size,
                              max_points=max_points, source=source)
+        if keep_log is not None:
+            shutil.copyfile(log_path, keep_log)
     _say(progress, f"{w.name}: trace of {len(trace.progress)} points in {time.perf_counter() - t0:.0f} s")
     return trace
 
@@ -115,6 +120,7 @@ def add_trace_parser(sub: Any) -> None:
     p.add_argument("--calibrate-steps", type=int, default=4, help="timed steps per size and round. Default: 4.")
     p.add_argument("--calibrate-rounds", type=int, default=3, help="calibration rounds. Default: 3.")
     p.add_argument("--max-points", type=int, default=200, help="most points kept per trace. Default: 200.")
+    p.add_argument("--keep-log", action="store_true", help="also write each run's JSONL log to OUT/<workload>.jsonl.")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the runs.")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N.")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="print only the written files.")
@@ -160,7 +166,8 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 w, args.seed, batch_size=args.batch_size, budget_s=args.budget_s, eval_every=args.eval_every,
                 noise_every=args.noise_every, target=args.target, max_size=args.max_size,
                 calibrate_steps=args.calibrate_steps, calibrate_rounds=args.calibrate_rounds,
-                max_points=args.max_points, device=args.device, progress=args.progress, command=command)
+                max_points=args.max_points, device=args.device, progress=args.progress, command=command,
+                keep_log=out / f"{w.name}.jsonl" if args.keep_log else None)
         except (ValueError, ImportError) as exc:
             parser.exit(2, f"batchpilot trace: error: {exc}\n")
         path = trace.save(out / f"{w.name}.json")

@@ -320,11 +320,12 @@ class Cluster:
 
     def observation_stats(self) -> dict[str, float]:
         """The system and cluster state now, under the keys the engine's monitor and the feature function use
-        (utilisation, memory share and communication share are those of the last :meth:`step_time`, 0 before)."""
+        (utilisation, memory share and communication share are those of the last :meth:`step_time`, 0 before;
+        ``system/gpu_util`` in percent, the unit of the engine's monitor, :mod:`batchpilot.stats.system`)."""
         net = self.spec.network
         last = self._last
         comm = last["network_s"] / (last["network_s"] + last["compute_s"]) if last else 0.0
-        return {"system/gpu_util": last.get("utilization", 0.0), "system/gpu_mem_frac": last.get("mem_frac", 0.0),
+        return {"system/gpu_util": 100.0 * last.get("utilization", 0.0), "system/gpu_mem_frac": last.get("mem_frac", 0.0),
                 "cluster/latency_s": net.latency_s, "cluster/bandwidth_Bps": net.bandwidth_Bps * (1 - self.load()),
                 "cluster/load": self.load(), "cluster/healthy_frac": len(self.healthy) / self.spec.size,
                 "cluster/comm_frac": comm, "dist/world_size": float(len(self.healthy))}

@@ -35,17 +35,19 @@ _ARRAYS = ("progress", "metric_values", "loss", "noise_scale", "grad_sq", "grad_
 
 
 def fit_compute(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
-    """Least-squares ``seconds = a + b * size`` with ``a, b >= 0`` (a fit with a negative term is redone with it
-    at 0), Pollux's ``T_compute = a + b * local_batch``."""
+    """Pollux's ``T_compute = a + b * local_batch`` fitted to a step-time table by least squares on the *relative*
+    error (each size counts alike, so the large sizes' seconds do not swamp the fixed cost ``a``), with ``a, b >= 0``
+    (a fit with a negative term is redone with it at 0)."""
     x, y = np.asarray(sizes, dtype=float), np.asarray(seconds, dtype=float)
+    w = 1.0 / y
     if len(x) >= 2 and np.ptp(x) > 0:
-        b, a = np.polyfit(x, y, 1)
+        b, a = np.polyfit(x, y, 1, w=w)
     else:
         a, b = 0.0, float(y.mean() / x.mean())
     if a < 0:
-        a, b = 0.0, float((x * y).sum() / (x * x).sum())
+        a, b = 0.0, float((w * w * x * y).sum() / (w * w * x * x).sum())
     if b < 0:
-        a, b = float(y.mean()), 0.0
+        a, b = float((w * w * y).sum() / (w * w).sum()), 0.0
     return float(a), float(b)
 
 
@@ -107,11 +109,11 @@ class Trace:
         p = arrays["progress"]
         if p[0] != 0 or (np.diff(p) <= 0).any():
             bad = 0 if p[0] != 0 else int(np.argmax(np.diff(p) <= 0)) + 1
-            raise ValueError(f"Trace.progress must start at 0 and strictly ascend; index {bad} is {p[bad]!r} "
-                             f"(after {p[bad - 1] if bad else 'nothing'}); sort the points and drop repeats.")
+            raise ValueError(f"Trace.progress must start at 0 and strictly ascend; index {bad} is {float(p[bad])!r} "
+                             f"(after {float(p[bad - 1]) if bad else 'nothing'}); sort the points and drop repeats.")
         if (arrays["noise_scale"] <= 0).any():
             i = int(np.argmax(arrays["noise_scale"] <= 0))
-            raise ValueError(f"Trace.noise_scale must be > 0 samples; index {i} is {arrays['noise_scale'][i]!r}; "
+            raise ValueError(f"Trace.noise_scale must be > 0 samples; index {i} is {float(arrays['noise_scale'][i])!r}; "
                              "fill points without a positive estimate from their neighbours.")
         for name in ("base_batch_size", "num_samples", "max_micro_batch_size", "grad_bytes"):
             value = getattr(self, name)
@@ -338,8 +340,9 @@ def record_trace(log: str | os.PathLike | Iterable[Mapping[str, Any]], evaluatio
         max_points: Evaluation points kept (evenly thinned; the first, the last and the first at the target stay).
 
     Progress is ``sum B_t E(B_t)`` over the steps, each ``E`` with the noise scale last measured (the first
-    measurement before that). Statistics at a point are those of the last step before it; loss is the mean over
-    the steps since the previous kept point.
+    measurement before that). Statistics at a point are the engine's smoothed values at the last step before it
+    (the point at 0, before any step, takes the next point's); loss is the mean over the steps since the
+    previous kept point.
     """
     steps = _read_steps(log)
     samples = np.array([float(r["samples_seen"]) for r in steps])
@@ -370,13 +373,15 @@ def record_trace(log: str | os.PathLike | Iterable[Mapping[str, Any]], evaluatio
     keep = {0, len(ev_progress) - 1} | ({int(hits[0]), max(int(hits[0]) - 1, 0)} if len(hits) else set())
     chosen = _thin(len(ev_progress), keep, max_points)
     points = ev_progress[chosen]
-    index = np.clip(np.searchsorted(progress, points, side="right") - 1, 0, len(steps) - 1)  # last step at a point
+    last_step = np.searchsorted(progress, points, side="right") - 1  # the last step at or before each point
+    index = np.clip(last_step, 0, len(steps) - 1)
     loss: list[float] = []
-    for k, i in enumerate(index):
-        lo = index[k - 1] + 1 if k else 0
-        window = losses[lo: i + 1] if k else losses[:1]
+    for k, i in enumerate(last_step):
+        window = losses[last_step[k - 1] + 1: i + 1] if k else losses[:1]
         window = window[~np.isnan(window)]
-        loss.append(float(window.mean()) if len(window) else (loss[-1] if loss else float(np.nanmean(losses[:1]))))
+        loss.append(float(window.mean()) if len(window) else (loss[-1] if loss else 0.0))
+    if len(index) > 1:  # nothing is measured at 0: the first point takes the statistics of the next one
+        index[0] = index[1]
     noise, grad_var = filled[index], var[index]
     table_sizes = [int(s) for s in step_sizes]
     return Trace(workload=workload, base_batch_size=b0, num_samples=num_samples, metric=metric, target=float(target),
