@@ -113,6 +113,9 @@ def _parser() -> argparse.ArgumentParser:
     from .bench.rl_cmd import add_rl_parser
 
     add_rl_parser(sub)
+    from .bench.simulate_cmd import add_simulate_parser
+
+    add_simulate_parser(sub)
     return parser
 
 
