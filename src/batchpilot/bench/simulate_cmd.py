@@ -75,8 +75,7 @@ def _table(results: dict[str, SimResult]) -> list[str]:
     oracle = results["oracle"].time_to_target_s
     lines = [f"{'policy':<22} {'simulated time to target':>26} {'ratio to oracle':>16} {'steps':>9} {'mean batch':>11}"]
     for run in results.values():
-        sizes = run.series("batch_size") if run.history else []
-        mean = f"{sum(sizes) / len(sizes):.0f}" if len(sizes) else "—"
+        mean = f"{run.series('batch_size').mean():.0f}" if run.history else "—"
         time = f"{run.time_to_target_s:.4g} s" if run.reached else "not reached"
         ratio = f"{run.time_to_target_s / oracle:.3f}x" if run.reached and math.isfinite(oracle) else "—"
         lines.append(f"{run.policy:<22} {time:>26} {ratio:>16} {run.steps:>9,} {mean:>11}")
