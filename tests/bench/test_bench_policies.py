@@ -27,7 +27,7 @@ def test_new_policy_forms_and_canonical_names():
     assert (smith.name, smith.kind, smith.batch_size, smith.end, smith.every_epochs) == (
         "ramp-smith", "smith", 512, 4096, 0.0)
     assert parse_policy("smith:512-4096@2.5").every_epochs == 2.5
-    for name in ("noise-scale", "goodput", "variance-rule", "threshold-rules", "finder"):
+    for name in ("noise-scale", "goodput", "variance-rule", "threshold-rules", "ppo", "finder"):
         assert parse_policy(f" {name.upper()} ").name == name
     assert parse_policy("noise-scale").category == "adaptive"
     assert parse_policy("tuned-static:64").category == "static"
@@ -42,7 +42,7 @@ def test_named_sets_and_ranges_expand():
                      "tuned-static:512", "tuned-static:1024", "finder", "noise-scale", "goodput", "auto"]
     full = [p.name for p in workload_grid(parse_policies("full"), (64, 256))]
     assert full == ["static:32", "tuned-static:64", "tuned-static:128", "tuned-static:256", "finder", "ramp:32-512",
-                    "ramp-smith", "noise-scale", "goodput", "variance-rule", "threshold-rules", "auto"]
+                    "ramp-smith", "noise-scale", "goodput", "variance-rule", "threshold-rules", "ppo", "auto"]
     assert [p.name for p in parse_policies("quick")] == ["static:32", "static:512", "auto"]
     assert [p.name for p in parse_policies("tuned-static:100-400")] == ["tuned-static:100", "tuned-static:200",
                                                                          "tuned-static:400"]

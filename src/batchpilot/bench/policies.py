@@ -59,7 +59,7 @@ __all__ = ["ADAPTIVE", "AUTO", "NAMED_SETS", "NOISE_EVERY", "POLICY_HELP", "Poli
 NOISE_EVERY = DEFAULT_NOISE_EVERY  # gradient-noise measurement period (the engine's default)
 TUNE_FACTORS = (0.5, 1.0, 2.0)
 LR_RULES = ("none", "linear", "sqrt", "linear-then-sqrt", "adascale")
-ADAPTIVE = ("noise-scale", "goodput", "variance-rule", "threshold-rules")
+ADAPTIVE = ("noise-scale", "goodput", "variance-rule", "threshold-rules", "ppo")
 AUTO = "auto"
 ALIASES = {"ramp": "ramp:32-512"}
 NAMED_SETS = {
@@ -89,6 +89,7 @@ DESCRIPTIONS = {
     "goodput": "Goodput controller (Pollux), defaults",
     "variance-rule": "VarianceRule controller (seed 002), defaults",
     "threshold-rules": "ThresholdRules controller (seed 000 section 4.2), defaults",
+    "ppo": "PPOController: the shipped PPO policy (seed 000), Goodput out of its training distribution",
     "auto": "automatic mode: batch_size='auto' (throughput knee + LR range test, then goodput), probes timed",
 }
 
@@ -141,6 +142,10 @@ class Policy:
         if self.kind == "warmup":
             return c.WarmupRamp(self.batch_size, self.end, warmup_epochs=self.every_epochs,
                                 ramp_epochs=self.ramp_epochs)
+        if self.kind == "ppo":
+            from ..controllers.ppo import PPOController
+
+            return PPOController(min_size=min_size, max_size=max_size)
         cls = {"noise-scale": c.NoiseScale, "goodput": c.Goodput, "variance-rule": c.VarianceRule,
                "threshold-rules": c.ThresholdRules}[self.kind]
         return cls(min_size=min_size, max_size=max_size)  # defaults: only the workload's bounds

@@ -24,7 +24,7 @@ __all__ = ["ACCURACY_SLACK", "collapse_floor", "critical_batch", "evaluate_targe
            "grid_search_cost", "is_collapsed", "summarize"]
 
 ACCURACY_SLACK = 0.003  # target (a): final accuracy no lower than the best static's minus 0.3 points
-ADAPTIVE = ("noise-scale", "goodput", "variance-rule", "threshold-rules", "auto")
+ADAPTIVE = ("noise-scale", "goodput", "variance-rule", "threshold-rules", "ppo", "auto")
 STRETCH_WORKLOADS = ("mnist1d", "markov")  # target (a)'s stretch, <= 0.85x, is asked on these
 LIMIT_A, STRETCH_A, SPEEDUP_B, SHARE_C = 1.0, 0.85, 3.0, 10.0
 UNTUNED = "static:32"
