@@ -133,6 +133,21 @@ def test_a_failed_device_leaves_the_ring_and_everything_down_waits():
     assert one.time_s == pytest.approx(failure_at + 50.0) and one.healthy == [0]
 
 
+def test_nodes_fail_together_and_one_node_talks_over_its_own_links():
+    s = spec("gpus=4,per_node=2,intra_bandwidth=1e10,load=0.5,fail=3600,restart=0,repair=1000")
+    assert s.nodes == 2 and s.network.intra_node_bandwidth_Bps == 1e10
+    c = Cluster(s, trace(), seed=0)
+    assert c.step_time(256).network_s == pytest.approx(6 * LAT + 6 / 4 * BYTES / (BW * 0.5))  # across nodes, loaded
+    first = min(c._next_failure)
+    events = c.advance(first + 1e-9)
+    node = 0 if events[0].startswith("failure: node 0") else 1
+    assert events == [f"failure: node {node} (devices {2 * node}-{2 * node + 1})"]
+    assert c.healthy == [2 * (1 - node), 2 * (1 - node) + 1]
+    assert c.step_time(256).network_s == pytest.approx(2 * LAT + BYTES / 1e10)  # one node: its links, no load
+    no_intra = Cluster(spec("gpus=2,per_node=2,load=0.5"), trace()).step_time(128)
+    assert no_intra.network_s == pytest.approx(2 * LAT + BYTES / (BW * 0.5))  # no intra bandwidth given: the network
+
+
 def test_state_round_trip_continues_exactly():
     s = ClusterSpec.parse("gpus=8,hetero=0.3,fail=120,restart=2,repair=20,load=0.2:0.1:60")
     a = Cluster(s, trace(), seed=5)
@@ -144,7 +159,7 @@ def test_state_round_trip_continues_exactly():
     for dt in (10.0, 45.0, 3.0):
         assert a.advance(dt) == b.advance(dt) and a.time_s == b.time_s
         assert a.step_time(700) == b.step_time(700)
-    with pytest.raises(ValueError, match="cluster with 8 devices, not 1"):
+    with pytest.raises(ValueError, match="cluster with 8 nodes, not 1"):
         Cluster(ClusterSpec.parse("cpu"), trace()).load_state_dict(a.state_dict())
 
 
@@ -176,6 +191,8 @@ def test_observation_and_perf_stats():
     ("compute=0.1:0.1,speedup=3", "give one of them"),
     ("overlap=0.5", "overlap='0.5' must be a number >= 1"),
     ("hetero=-1", "hetero='-1' must be a number >= 0"),
+    ("per_node=0", "per_node='0' must be a whole number >= 1; e.g. per_node=8"),
+    ("intra_bandwidth=-3", "intra_bandwidth='-3' must be a number > 0"),
 ])
 def test_parse_errors_name_the_item_and_the_fix(text, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

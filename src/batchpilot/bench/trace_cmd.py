@@ -82,6 +82,7 @@ def record_workload_trace(workload: str | Workload, seed: int = 0, *, batch_size
         sizes = size_grid(w.min_batch_size, min(max_size or w.max_batch_size, len(train)), [size])
         _say(progress, f"{w.name}: timing steps at batch sizes {sizes}")
         calibration = calibrate(w, train, sizes, steps=calibrate_steps, rounds=calibrate_rounds)
+        busy = f", 1-min load average {os.getloadavg()[0]:.1f} after it" if hasattr(os, "getloadavg") else ""
         grad_bytes = 4 * sum(p.numel() for p in w.build_model(seed).parameters() if p.requires_grad)
         machine = f"{os.cpu_count()}-core {platform.machine()} CPU" if dev.type == "cpu" else \
             torch.cuda.get_device_name(dev)
@@ -89,7 +90,7 @@ def record_workload_trace(workload: str | Workload, seed: int = 0, *, batch_size
         source = (f"{how}: static:{size} (lr {lr:g}), seed {seed}, data seed {w.data_seed}, gradient statistics every "
                   f"{noise_every} steps, accuracy every {eval_every:g} epochs, {reached} the target after "
                   f"{run.last['step']} steps ({train_s:.0f} s); step times: batchpilot.bench.calibrate "
-                  f"({calibrate_steps} steps x {calibrate_rounds} rounds, {calibration.seconds:.0f} s); machine "
+                  f"({calibrate_steps} steps x {calibrate_rounds} rounds, {calibration.seconds:.0f} s{busy}); machine "
                   f"{machine}, torch threads {torch.get_num_threads()}, torch {torch.__version__}")
         trace = record_trace(log_path, evaluations, calibration.sizes, calibration.step_s, workload=w.name,
                              target=target, num_samples=len(train), grad_bytes=grad_bytes, base_batch_size=size,
@@ -160,6 +161,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for w in workloads:
         command = (f"batchpilot trace --workload {w.name} --seed {args.seed}"
                    + (f" --batch-size {args.batch_size}" if args.batch_size else "")
+                   + (f" --calibrate-rounds {args.calibrate_rounds}" if args.calibrate_rounds != 3 else "")
                    + (f" --threads {args.threads}" if args.threads else ""))
         try:
             trace = record_workload_trace(

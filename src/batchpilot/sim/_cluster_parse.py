@@ -12,7 +12,9 @@
 ``latency=SEC``         per-message latency; default 2e-5
 ``bandwidth=BPS``       bytes per second per link; default 1.25e10 (100 Gb/s)
 ``load=M[:A[:P]]``      background load ``M + A sin(2 pi t / P)``, ``P`` in seconds (default 86400)
-``fail=R``              failures per device per hour; ``restart=SEC`` (default 30) and ``repair=SEC`` (default 600)
+``per_node=K``          ``K`` devices per node (default 1): a node fails as a whole
+``intra_bandwidth=BPS`` bytes per second inside a node, used when the healthy devices fit in one node
+``fail=R``              failures per node per hour; ``restart=SEC`` (default 30) and ``repair=SEC`` (default 600)
 ``compress=C``          none, fp16, bf16, 1bit, powersgd or powersgd:R
 ``overlap=G``           ``g`` of ``T = (T_c^g + T_n^g)^(1/g)``; default 2
 ``seed=K``              the seed of the ``hetero`` draw (default: the one passed to ``parse``)
@@ -28,8 +30,8 @@ import numpy as np
 
 __all__ = ["KEYS", "parse_spec"]
 
-KEYS = ("gpus", "devices", "speed", "speedup", "hetero", "speeds", "memory", "compute", "latency", "bandwidth", "load",
-        "fail", "restart", "repair", "compress", "overlap", "seed")
+KEYS = ("gpus", "devices", "speed", "speedup", "hetero", "speeds", "memory", "compute", "latency", "bandwidth",
+        "intra_bandwidth", "per_node", "load", "fail", "restart", "repair", "compress", "overlap", "seed")
 
 
 def _float(key: str, value: str, low: float = 0.0, strict: bool = False) -> float:
@@ -51,6 +53,7 @@ def _int(key: str, value: str, low: int) -> int:
 
 _EXAMPLES = {"gpus": "16", "devices": "16", "speed": "2", "speedup": "30", "hetero": "0.5", "speeds": "1:1:0.5",
              "memory": "512", "compute": "0.002:1e-5", "latency": "5e-5", "bandwidth": "1.25e9", "load": "0.3:0.2",
+             "intra_bandwidth": "3e11", "per_node": "8",
              "fail": "0.01", "restart": "30", "repair": "600", "compress": "1bit", "overlap": "2", "seed": "0"}
 
 
@@ -93,6 +96,8 @@ def parse_spec(text: str, seed: int = 0) -> dict[str, Any]:
         network["latency_s"] = _float("latency", items["latency"])
     if "bandwidth" in items:
         network["bandwidth_Bps"] = _float("bandwidth", items["bandwidth"], 0.0, strict=True)
+    if "intra_bandwidth" in items:
+        network["intra_node_bandwidth_Bps"] = _float("intra_bandwidth", items["intra_bandwidth"], 0.0, strict=True)
     if "load" in items:
         parts = items["load"].split(":")
         if len(parts) > 3:
@@ -116,6 +121,8 @@ def parse_spec(text: str, seed: int = 0) -> dict[str, Any]:
                               ("restart", "restart_s", False), ("repair", "repair_s", False)):
         if key in items:
             out[name] = _float(key, items[key], 0.0, strict=strict)
+    if "per_node" in items:
+        out["devices_per_node"] = _int("per_node", items["per_node"], 1)
     if "overlap" in items:
         out["overlap"] = _float("overlap", items["overlap"], 1.0)
     if "compress" in items:

@@ -9,15 +9,16 @@ A step of global batch ``B`` on the healthy devices (Pollux, Qiao et al., OSDI '
   ``s`` times faster and the fixed part ``a`` stays: ``c_s(m) = a + (c(m) - a) / s``. ``T_compute = max_i T_i``.
 * the gradient (``grad_bytes`` x the compression factor) is all-reduced by a ring over the ``N`` healthy devices:
   ``T_net = 2 (N - 1) latency + 2 (N - 1) / N * bytes / (bandwidth * (1 - load(t)))`` (Patarasuk & Yuan 2009);
-  ``T_net = 0`` on one device.
+  ``T_net = 0`` on one device. Devices are grouped in nodes of ``devices_per_node`` (default 1); when the healthy
+  devices all sit in one node, the ring runs over ``Network.intra_node_bandwidth_Bps`` (if given) without the load.
 * the two overlap as in Pollux: ``T = (T_compute^g + T_net^g)^(1/g)``, ``g >= 1`` (``ClusterSpec.overlap``; 1 adds
   them, a large ``g`` takes the larger).
 
 The background load is seed 000's day/night pattern: ``load(t) = mean + amplitude * sin(2 pi t / period)``,
-clipped to ``[0, 0.95]``, the share of the bandwidth other jobs take. Each device fails as a Poisson process
-(``failure_rate_per_hour``); a failed device is out for ``repair_s`` and the job restarts on the others, and again
-when it comes back, each restart costing ``restart_s`` of the clock (Pollux's fixed rescale cost). Failure times
-are drawn from ``(seed, device, draw)``, so they do not depend on how the clock is advanced.
+clipped to ``[0, 0.95]``, the share of the bandwidth between nodes that other jobs take. Each node fails as a
+Poisson process (``failure_rate_per_hour``); a failed node is out for ``repair_s`` and the job restarts on the
+others, and again when it comes back, each restart costing ``restart_s`` of the clock (Pollux's fixed rescale
+cost). Failure times are drawn from ``(seed, node, draw)``, so they do not depend on how the clock is advanced.
 """
 
 from __future__ import annotations
@@ -78,16 +79,21 @@ class Device:
 @dataclass(frozen=True)
 class Network:
     """Ring all-reduce parameters and the background load ``mean + amplitude * sin(2 pi t / period)`` (share of
-    the bandwidth taken by others; seed 000's day/night pattern with the default period of a day)."""
+    the bandwidth taken by others; seed 000's day/night pattern with the default period of a day).
+    ``intra_node_bandwidth_Bps``: the links inside one node (NVLink, say; ``None``: ``bandwidth_Bps``), used when all
+    healthy devices sit in one node; the background load is on the shared network between nodes only."""
 
     latency_s: float = 20e-6
     bandwidth_Bps: float = 12.5e9
     load_mean: float = 0.0
     load_amplitude: float = 0.0
     load_period_s: float = 86400.0
+    intra_node_bandwidth_Bps: float | None = None
 
     def __post_init__(self) -> None:
         _positive("Network.latency_s", self.latency_s, zero=True)
+        if self.intra_node_bandwidth_Bps is not None:
+            _positive("Network.intra_node_bandwidth_Bps", self.intra_node_bandwidth_Bps)
         _positive("Network.bandwidth_Bps", self.bandwidth_Bps)
         _positive("Network.load_amplitude", self.load_amplitude, zero=True)
         _positive("Network.load_period_s", self.load_period_s)
@@ -107,10 +113,12 @@ class ClusterSpec:
     Attributes:
         devices, network: The devices and the network between them.
         overlap: ``g`` of ``T = (T_c^g + T_n^g)^(1/g)``.
-        failure_rate_per_hour: Failures per device per hour (Poisson).  restart_s: Clock cost of a restart.
+        failure_rate_per_hour: Failures per node per hour (Poisson).  restart_s: Clock cost of a restart.
         repair_s: How long a failed device stays out.  compression: See :func:`compression_factor`.
         device_compute: ``(a, b)`` of one device in seconds (``None``: the trace's measured curve).
         speedup: Per-sample speed-up over the recording device, fixed per-step cost unchanged (a GPU preset).
+        devices_per_node: Devices ``i`` with the same ``i // devices_per_node`` form a node: they fail together, and
+            talk over ``Network.intra_node_bandwidth_Bps`` when the job fits in one node.
         name: The text it was parsed from, for reports.
     """
 
@@ -123,6 +131,7 @@ class ClusterSpec:
     device_compute: tuple[float, float] | None = None
     speedup: float = 1.0
     repair_s: float = 600.0
+    devices_per_node: int = 1
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -135,6 +144,9 @@ class ClusterSpec:
         _positive("ClusterSpec.restart_s", self.restart_s, zero=True)
         _positive("ClusterSpec.repair_s", self.repair_s, zero=True)
         _positive("ClusterSpec.speedup", self.speedup)
+        if isinstance(self.devices_per_node, bool) or not isinstance(self.devices_per_node, int) or \
+                self.devices_per_node < 1:
+            raise ValueError(f"ClusterSpec.devices_per_node must be a whole number >= 1, got {self.devices_per_node!r}.")
         compression_factor(self.compression, 4)  # raises for an unknown name
         if self.device_compute is not None:
             a, b = (float(v) for v in self.device_compute)
@@ -157,6 +169,10 @@ class ClusterSpec:
     @property
     def size(self) -> int:
         return len(self.devices)
+
+    @property
+    def nodes(self) -> int:
+        return -(-len(self.devices) // self.devices_per_node)
 
 
 @dataclass(frozen=True)
@@ -188,7 +204,7 @@ class Cluster:
             raise TypeError(f"spec must be a ClusterSpec (ClusterSpec.parse('gpus=16') makes one), got {spec!r}.")
         self.spec, self.trace, self.seed = spec, trace, int(seed)
         self.time_s = 0.0
-        n = spec.size
+        n = spec.nodes  # failures are per node (a node is one device unless devices_per_node says otherwise)
         self._down_until: list[float | None] = [None] * n
         self._draws = [0] * n
         self._next_failure = [self._draw(i, 0.0) for i in range(n)]
@@ -198,19 +214,26 @@ class Cluster:
         self._memory = [d.memory or trace.max_micro_batch_size for d in spec.devices]
         self._bytes = trace.grad_bytes * compression_factor(spec.compression, trace.grad_bytes)
 
-    def _draw(self, device: int, start: float) -> float:
-        """The next failure time of ``device`` after ``start`` (exponential gap from ``(seed, device, draw)``)."""
+    def _draw(self, node: int, start: float) -> float:
+        """The next failure time of ``node`` after ``start`` (exponential gap from ``(seed, node, draw)``)."""
         rate = self.spec.failure_rate_per_hour
         if rate == 0:
             return math.inf
-        k = self._draws[device]
-        self._draws[device] += 1
-        return start + float(np.random.default_rng([self.seed, device, k]).exponential(3600.0 / rate))
+        k = self._draws[node]
+        self._draws[node] += 1
+        return start + float(np.random.default_rng([self.seed, node, k]).exponential(3600.0 / rate))
 
     @property
     def healthy(self) -> list[int]:
         """Indices of the devices that are up."""
-        return [i for i, t in enumerate(self._down_until) if t is None]
+        per = self.spec.devices_per_node
+        return [i for i in range(self.spec.size) if self._down_until[i // per] is None]
+
+    def _name(self, node: int) -> str:
+        per = self.spec.devices_per_node
+        if per == 1:
+            return f"device {node}"
+        return f"node {node} (devices {node * per}-{min((node + 1) * per, self.spec.size) - 1})"
 
     def load(self) -> float:
         """The network's background load now."""
@@ -227,13 +250,19 @@ class Cluster:
             t = a + (self.trace.compute_seconds(micro_batch) - a) / spec.speedup
         return t / spec.devices[device].speed
 
-    def network_seconds(self, devices: int | None = None) -> float:
-        """Ring all-reduce time of one (compressed) gradient over ``devices`` (default: the healthy ones) now."""
-        n = len(self.healthy) if devices is None else devices
+    def network_seconds(self) -> float:
+        """Ring all-reduce time of one (compressed) gradient over the healthy devices now: over the intra-node links
+        when they all sit in one node, else limited by the loaded network between nodes."""
+        up = self.healthy
+        n = len(up)
         if n <= 1:
             return 0.0
         net = self.spec.network
-        bandwidth = net.bandwidth_Bps * (1.0 - self.load())
+        one_node = len({i // self.spec.devices_per_node for i in up}) == 1
+        if one_node and net.intra_node_bandwidth_Bps is not None:
+            bandwidth = net.intra_node_bandwidth_Bps
+        else:
+            bandwidth = net.bandwidth_Bps * (1.0 - self.load())
         return 2 * (n - 1) * net.latency_s + 2 * (n - 1) / n * self._bytes / bandwidth
 
     def step_time(self, global_batch: int, shares: Sequence[float] | None = None) -> StepTime:
@@ -261,7 +290,7 @@ class Cluster:
             busy.append(k * self.compute_seconds(m, i))
             mem.append(m / self._memory[i])
         compute = max(busy)
-        network = self.network_seconds(len(up))
+        network = self.network_seconds()
         g = self.spec.overlap
         seconds = compute if network == 0 else (compute ** g + network ** g) ** (1.0 / g)
         utilization = sum(busy) / len(up) / seconds
@@ -286,12 +315,12 @@ class Cluster:
             if repair:
                 self._down_until[i] = None
                 self._next_failure[i] = self._draw(i, t)
-                events.append(f"repaired: device {i}")
+                events.append(f"repaired: {self._name(i)}")
             else:
                 self._down_until[i] = t + self.spec.repair_s
                 self._next_failure[i] = math.inf
                 self.failures += 1
-                events.append(f"failure: device {i}")
+                events.append(f"failure: {self._name(i)}")
             end += self.spec.restart_s
             self.restarts += 1
             if not self.healthy:
@@ -338,9 +367,9 @@ class Cluster:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; ``ValueError`` when it belongs to a cluster of another size."""
-        n = self.spec.size
+        n = self.spec.nodes
         if len(state.get("down_until", [])) != n or len(state.get("draws", [])) != n:
-            raise ValueError(f"this state is of a cluster with {len(state.get('down_until', []))} devices, not {n}; "
+            raise ValueError(f"this state is of a cluster with {len(state.get('down_until', []))} nodes, not {n}; "
                              "load it into a Cluster of the same ClusterSpec.")
         self.time_s = float(state["time_s"])
         self.seed = int(state["seed"])
