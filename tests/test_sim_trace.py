@@ -183,6 +183,13 @@ def test_record_trace_from_a_real_pilot_log(tmp_path):
     assert t.compute == pytest.approx(fit_compute([32, 64, 128], [0.001, 0.0014, 0.0022]))
     assert t.target_progress() > 0
 
+    thin = record_trace(log, evaluations, [32, 64, 128], [0.001, 0.0014, 0.0022], max_points=6, **kw)
+    first_hit = next(s for s, m in evaluations if m >= 0.6)
+    assert len(thin.progress) <= 6 and thin.progress[0] == 0 and thin.progress[-1] == evaluations[-1][0]
+    assert first_hit in thin.progress and thin.target_progress() == pytest.approx(t.target_progress())
+    with pytest.raises(ValueError, match="max_points must be a whole number >= 6"):
+        record_trace(log, evaluations, [32], [0.001], max_points=2, **kw)
+
     # With B0 = 16 the same run counts sum 32 (phi + 16) / (phi + 32) per step: computed here by hand from the log.
     t16 = record_trace(log, evaluations, [32, 64, 128], [0.001, 0.0014, 0.0022], base_batch_size=16, **kw)
     phis, last = [], None

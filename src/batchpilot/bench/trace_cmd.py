@@ -137,7 +137,7 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[Wo
         parser.error("--workload is empty; pass e.g. --workload mnist1d.")
     for name, value, low in (("--batch-size", args.batch_size, 1), ("--noise-every", args.noise_every, 1),
                              ("--max-size", args.max_size, 1), ("--calibrate-steps", args.calibrate_steps, 1),
-                             ("--calibrate-rounds", args.calibrate_rounds, 1), ("--max-points", args.max_points, 3),
+                             ("--calibrate-rounds", args.calibrate_rounds, 1), ("--max-points", args.max_points, 6),
                              ("--threads", args.threads, 1), ("--seed", args.seed, 0)):
         if value is not None and value < low:
             parser.error(f"{name} must be a whole number >= {low}, got {value}.")

@@ -330,20 +330,24 @@ def record_trace(log: str | os.PathLike | Iterable[Mapping[str, Any]], evaluatio
 
     Args:
         log: The run's JSONL log (``Pilot(log_path=..., noise_every=...)``: its step records need
-            ``stats/noise_scale``, ``stats/trace_cov`` and ``stats/grad_sq_norm``), or its records.
+            ``stats/noise_scale`` and ``stats/trace_cov``; ``grad_sq`` is ``trace_cov / noise_scale``, the engine's
+            ``stats/grad_sq_norm`` wherever that is positive), or its records.
         evaluations: ``(samples_seen, metric)`` pairs made during the run (one at 0 samples is recommended: the
             trace starts there; without one, the first evaluation's value stands for it).
         step_sizes, step_seconds: Seconds per optimizer step at each batch size on the recording device
             (:func:`batchpilot.bench.calibrate.calibrate` gives them).
         base_batch_size: ``B0`` (default: the log's first batch size).
         max_micro_batch_size: The memory bound (default: the largest size timed).
-        max_points: Evaluation points kept (evenly thinned; the first, the last and the first at the target stay).
+        max_points: Evaluation points kept, >= 6 (evenly thinned; the first, the last, and the first at the target
+            and the one before it stay).
 
     Progress is ``sum B_t E(B_t)`` over the steps, each ``E`` with the noise scale last measured (the first
     measurement before that). Statistics at a point are the engine's smoothed values at the last step before it
     (the point at 0, before any step, takes the next point's); loss is the mean over the steps since the
     previous kept point.
     """
+    if isinstance(max_points, bool) or not isinstance(max_points, int) or max_points < 6:
+        raise ValueError(f"max_points must be a whole number >= 6, got {max_points!r}.")
     steps = _read_steps(log)
     samples = np.array([float(r["samples_seen"]) for r in steps])
     sizes = np.array([float(r.get("batch/global_size") or 0) for r in steps])
