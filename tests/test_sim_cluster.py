@@ -64,6 +64,8 @@ def test_device_compute_speedup_and_compression():
     assert st.compute_s == pytest.approx(0.002 + 1e-5 * 100)
     gpu = Cluster(spec("gpus=4,speedup=10"), trace()).step_time(256)
     assert gpu.compute_s == pytest.approx(0.008 + (0.012 - 0.008) / 10)  # the fixed part stays
+    tiny = Cluster(spec("speedup=10"), trace()).step_time(1)  # below the table: never under the fixed part
+    assert tiny.compute_s == pytest.approx(0.008)
     fp16 = Cluster(spec("gpus=4,compress=fp16"), trace()).step_time(256)
     assert fp16.network_s == pytest.approx(6 * LAT + 6 / 4 * BYTES / 2 / BW)
     onebit = Cluster(spec("gpus=4,compress=1bit"), trace()).step_time(256)

@@ -212,6 +212,7 @@ class Cluster:
         self.restarts = 0
         self._last: dict[str, float] = {}
         self._memory = [d.memory or trace.max_micro_batch_size for d in spec.devices]
+        self._speeds = [d.speed for d in spec.devices]
         self._bytes = trace.grad_bytes * compression_factor(spec.compression, trace.grad_bytes)
 
     def _draw(self, node: int, start: float) -> float:
@@ -241,14 +242,16 @@ class Cluster:
 
     def compute_seconds(self, micro_batch: int, device: int = 0) -> float:
         """Seconds of one forward/backward of ``micro_batch`` samples on ``device``."""
+        return self._base_seconds(micro_batch) / self.spec.devices[device].speed
+
+    def _base_seconds(self, micro_batch: int) -> float:
+        """:meth:`compute_seconds` on a device of speed 1."""
         spec = self.spec
         if spec.device_compute is not None:
             a, b = spec.device_compute
-            t = a + b * micro_batch
-        else:
-            a = self.trace.compute[0]
-            t = a + (self.trace.compute_seconds(micro_batch) - a) / spec.speedup
-        return t / spec.devices[device].speed
+            return a + b * micro_batch
+        a = self.trace.compute[0]
+        return a + max(self.trace.compute_seconds(micro_batch) - a, 0.0) / spec.speedup
 
     def network_seconds(self) -> float:
         """Ring all-reduce time of one (compressed) gradient over the healthy devices now: over the intra-node links
@@ -281,13 +284,16 @@ class Cluster:
             if sum(weights) <= 0:
                 raise ValueError(f"shares {list(shares)!r} give the healthy devices {up} nothing; give them a share.")
         busy, mem = [], []
+        base: dict[int, float] = {}  # speed-1 seconds per micro-batch size: often one size for all devices
         for i, b_i in zip(up, _split(int(global_batch), weights)):
             if b_i == 0:
                 busy.append(0.0)
                 continue
             k = -(-b_i // self._memory[i])
             m = -(-b_i // k)
-            busy.append(k * self.compute_seconds(m, i))
+            if m not in base:
+                base[m] = self._base_seconds(m)
+            busy.append(k * base[m] / self._speeds[i])
             mem.append(m / self._memory[i])
         compute = max(busy)
         network = self.network_seconds()
