@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -64,8 +65,9 @@ def test_device_compute_speedup_and_compression():
     assert st.compute_s == pytest.approx(0.002 + 1e-5 * 100)
     gpu = Cluster(spec("gpus=4,speedup=10"), trace()).step_time(256)
     assert gpu.compute_s == pytest.approx(0.008 + (0.012 - 0.008) / 10)  # the fixed part stays
-    tiny = Cluster(spec("speedup=10"), trace()).step_time(1)  # below the table: never under the fixed part
-    assert tiny.compute_s == pytest.approx(0.008)
+    assert Cluster(spec("speedup=10"), trace()).step_time(1).compute_s == pytest.approx(0.008 + 6.25e-5 / 10)
+    high_a = replace(trace(), compute=(0.009, 6.25e-5))  # c(1) = 0.0080625 from the table is below a = 0.009
+    assert Cluster(spec("speedup=10"), high_a).step_time(1).compute_s == pytest.approx(0.009)  # never under a
     fp16 = Cluster(spec("gpus=4,compress=fp16"), trace()).step_time(256)
     assert fp16.network_s == pytest.approx(6 * LAT + 6 / 4 * BYTES / 2 / BW)
     onebit = Cluster(spec("gpus=4,compress=1bit"), trace()).step_time(256)
