@@ -170,7 +170,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 calibrate_steps=args.calibrate_steps, calibrate_rounds=args.calibrate_rounds,
                 max_points=args.max_points, device=args.device, progress=args.progress, command=command,
                 keep_log=out / f"{w.name}.jsonl" if args.keep_log else None)
-        except (ValueError, ImportError) as exc:
+        except (ValueError, ImportError, FileNotFoundError) as exc:  # bad settings, a missing extra or data set
             parser.exit(2, f"batchpilot trace: error: {exc}\n")
         path = trace.save(out / f"{w.name}.json")
         try:
