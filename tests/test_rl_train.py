@@ -51,3 +51,27 @@ def test_train_policy_refuses_bad_arguments():
         train_policy(0, env_fns=[PickTheSign], feature_names=("a", "b", "c"), actions=(0.5, 1, 2))
     with pytest.raises(ValueError, match="feature_names"):
         train_policy(100, env_fns=[PickTheSign])
+
+
+def test_batchpilot_rl_train_writes_a_policy_the_controller_loads(tmp_path, capsys):
+    from batchpilot.cli import main
+    from batchpilot.controllers.ppo import PPOController
+
+    out = tmp_path / "policy"
+    assert main(["rl", "train", "--timesteps", "512", "--n-envs", "2", "--seed", "1", "--eval-episodes", "1",
+                 "--out", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "median ppo/oracle" in printed and "policy:" in printed
+    c = PPOController(policy=out / "ppo_default.pt")
+    assert c.meta.training["timesteps"] == 512 and c.meta.training["seed"] == 1
+    assert "--reward-weights" in c.meta.training["command"] and "evaluation" in c.meta.training
+    assert (out / "evaluation.json").is_file()
+
+
+def test_batchpilot_rl_train_refuses_bad_options(capsys):
+    from batchpilot.cli import main
+
+    for argv, text in ((["--timesteps", "0"], "--timesteps"), (["--reward-weights", "1,2"], "--reward-weights")):
+        with pytest.raises(SystemExit) as exc:
+            main(["rl", "train", *argv])
+        assert exc.value.code == 2 and text in capsys.readouterr().err

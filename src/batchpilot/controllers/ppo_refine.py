@@ -132,7 +132,7 @@ def ppo_update(
         loss.backward()
         nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm)
         optimizer.step()
-        out = {"policy_loss": float(policy_loss), "value_loss": float(value_loss), "entropy": float(entropy),
+        out = {"policy_loss": policy_loss.item(), "value_loss": value_loss.item(), "entropy": entropy.item(),
                "clip_fraction": float(((ratio - 1.0).abs() > clip).float().mean())}
     return out
 
