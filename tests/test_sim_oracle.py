@@ -174,3 +174,29 @@ def test_a_job_that_starts_at_its_target_is_done_and_noise_is_seeded():
     with pytest.raises(ValueError, match="observation_noise"):
         make_job(trace, "cpu", start_size=64, observation_noise=-1.0)
     assert Network().load(0.0) == 0.0
+
+
+def test_a_job_resumed_from_its_state_continues_exactly():
+    import json
+
+    trace = make_trace(phi=(200.0, 20000.0), a=0.02, b=2e-4, target_progress=1e6)
+    spec = ClusterSpec.parse("gpus=8,load=0.3:0.3:900,fail=10,restart=20,repair=60")
+
+    def choose(job: SimJob) -> int:
+        o = job.observe()  # draws observation noise: the generator's state must carry over
+        return max(32, min(4096, round(o.batch_size * (1.3 if o.stats["stats/noise_scale"] > 2 * o.batch_size else 0.9))))
+
+    whole = make_job(trace, spec, start_size=64, seed=0, observation_noise=0.1)
+    first = make_job(trace, spec, start_size=64, seed=0, observation_noise=0.1)
+    for _ in range(7):
+        first.run(50)
+        first.set_batch_size(choose(first))
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = make_job(trace, spec, start_size=64, seed=0, observation_noise=0.1)
+    resumed.load_state_dict(state)
+    a = drive(whole, choose)
+    b = drive(resumed, choose)
+    assert a.time_to_target_s == b.time_to_target_s and a.steps == b.steps and a.history == b.history
+    assert any(h["events"] for h in a.history)
+    with pytest.raises(ValueError, match="state_dict"):
+        resumed.load_state_dict({"steps": 3})

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..controllers.base import Observation
 from ..controllers.boundary import validate_decision
-from .cluster import Cluster, ClusterSpec
+from .cluster import Cluster, ClusterSpec, StepTime
 from .trace import Trace
 
 __all__ = ["LOSS_HISTORY", "SimJob", "SimResult", "observation_stats", "run_policy"]
@@ -81,7 +81,8 @@ class SimResult:
 @dataclass
 class SimJob:
     """The state of one simulated job; :meth:`run` moves it by a number of steps, :meth:`observe` builds the
-    observation a controller sees, :meth:`set_batch_size` applies a decision through the engine's boundary.
+    observation a controller sees, :meth:`set_batch_size` applies a decision through the engine's boundary,
+    :meth:`state_dict` / :meth:`load_state_dict` save and restore it exactly.
 
     Args:
         trace: The workload.  cluster: The cluster it runs on (its clock is the job's clock).
@@ -193,6 +194,33 @@ class SimJob:
             samples_per_s=None if not seconds else self.batch_size / seconds, stats=stats,
         )
 
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue identically (the cluster's state included; JSON-able)."""
+        last = self.last_step_time
+        return {
+            "batch_size": self.batch_size, "progress": self.progress, "time_s": self.time_s, "steps": self.steps,
+            "samples": self.samples, "metric": self.metric, "done": self.done, "time_to_target_s": self.time_to_target_s,
+            "losses": list(self.losses), "history": [dict(h) for h in self.history], "rng": self.rng.bit_generator.state,
+            "last_step_time": None if last is None else [last.seconds, last.compute_s, last.network_s, last.utilization],
+            "cluster": self.cluster.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` into a job built with the same trace, cluster spec and bounds."""
+        missing = [k for k in ("batch_size", "progress", "time_s", "steps", "cluster") if k not in state]
+        if missing:
+            raise ValueError(f"SimJob state is missing {missing}; pass the dict returned by SimJob.state_dict().")
+        self.cluster.load_state_dict(state["cluster"])
+        self.batch_size, self.progress, self.time_s = int(state["batch_size"]), float(state["progress"]), \
+            float(state["time_s"])
+        self.steps, self.samples, self.metric = int(state["steps"]), int(state["samples"]), float(state["metric"])
+        self.done, self.time_to_target_s = bool(state["done"]), float(state["time_to_target_s"])
+        self.losses = deque((float(v) for v in state["losses"]), maxlen=LOSS_HISTORY)
+        self.history = [dict(h) for h in state["history"]]
+        self.rng.bit_generator.state = state["rng"]
+        last = state["last_step_time"]
+        self.last_step_time = None if last is None else StepTime(*(float(v) for v in last))
+
     def default_time_limit(self) -> float:
         """``LIMIT_FACTOR`` times the longest of three static runs' bounds (at ``min_size``, the current size and
         ``max_size``): ``target / (B * E_min(B)) * T(B)`` with the lowest efficiency over the trace and the step time
@@ -215,8 +243,8 @@ def observation_stats(job: SimJob) -> dict[str, float]:
     * ``perf/micro_time_a_s``, ``perf/micro_time_b_s``, ``perf/step_overhead_s``, ``perf/max_micro_batch_size``,
       ``dist/world_size``: :meth:`Cluster.perf_stats` (what the engine's throughput model would report on the
       slowest healthy device); ``perf/step_time_s``, ``perf/samples_per_s``: the last step's.
-    * ``system/*`` and ``cluster/*``: ``cluster.observation_stats()`` (with ``observe_system``), except
-      ``system/gpu_util``: the last step's mean device utilisation in percent, the engine monitor's unit.
+    * ``system/*`` and ``cluster/*``: ``cluster.observation_stats()`` (with ``observe_system``; ``system/gpu_util``
+      in percent, the engine monitor's unit).
     """
     trace, size = job.trace, job.batch_size
     at = trace.at(job.progress)
@@ -232,8 +260,6 @@ def observation_stats(job: SimJob) -> dict[str, float]:
     system = job.cluster.observation_stats()
     if job.observe_system:
         stats.update({k: float(v) for k, v in system.items() if k.startswith(("system/", "cluster/"))})
-        if job.last_step_time is not None:  # the engine's monitor reports percent (stats/system.py)
-            stats["system/gpu_util"] = 100.0 * float(job.last_step_time.utilization)
     return stats
 
 

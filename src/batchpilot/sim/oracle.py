@@ -27,7 +27,7 @@ from typing import Any
 
 from ..controllers.goodput import Goodput
 from .cluster import ClusterSpec
-from .episode import SimJob, SimResult, drive, make_job
+from .episode import SimJob, SimResult, drive, make_job, run_policy
 from .trace import Trace
 
 __all__ = ["best_size", "best_static", "goodput_oracle", "goodput_policy", "run_controller", "static_sizes",
@@ -112,14 +112,12 @@ def run_controller(controller: Any, trace: Trace, spec: ClusterSpec | str, *, st
                    min_size: int = 32, max_size: int = 4096, interval: int = 50, seed: int = 0,
                    time_limit_s: float | None = None, observation_noise: float = 0.0,
                    observe_system: bool = True) -> SimResult:
-    """Run a real controller (its own ``decide()``) in the simulator, asked every ``interval`` steps; it starts at
-    ``start_size`` (default: the trace's base batch, clamped to the bounds)."""
+    """Run a real controller (its own ``decide()``) in the simulator with :func:`~.episode.run_policy`, asked every
+    ``interval`` steps; it starts at ``start_size`` (default: the trace's base batch, clamped to the bounds)."""
     start = start_size if start_size is not None else min(max(trace.base_batch_size, min_size), max_size)
-    job = make_job(trace, spec, start_size=start, min_size=min_size, max_size=max_size, seed=seed,
-                   observation_noise=observation_noise, observe_system=observe_system)
-    name = getattr(controller, "name", None) or type(controller).__name__
-    return drive(job, lambda j: controller.decide(j.observe()), interval=interval, time_limit_s=time_limit_s,
-                 name=str(name))
+    return run_policy(controller, trace, spec, start_size=start, min_size=min_size, max_size=max_size,
+                      interval=interval, seed=seed, time_limit_s=time_limit_s, observation_noise=observation_noise,
+                      observe_system=observe_system)
 
 
 def goodput_policy(trace: Trace, spec: ClusterSpec | str, *, start_size: int | None = None, min_size: int = 32,
