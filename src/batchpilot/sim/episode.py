@@ -12,8 +12,8 @@ boundary (:func:`batchpilot.controllers.validate_decision`: invalid values raise
 ``[min_size, max_size]``). The batch size is constant between two decisions, so the steps of one interval are
 simulated together: the step time is read once per interval (it depends on the clock only through the network's
 background load, which moves on a scale of hours, and on failures, drawn by ``cluster.advance`` for the interval's
-span), and the efficiency of each step is taken at the progress it starts from, found by two fixed-point passes
-over the interval (from the interval's first efficiency).
+span), and the efficiency of each step is taken at the progress it starts from, found by fixed-point passes over
+the interval (from the interval's first efficiency; at most ``FIXED_POINT_PASSES``, until nothing moves by 1e-9).
 
 **Rescale cost.** Changing the global batch size on the same devices costs nothing here, on one device or many:
 batchpilot's sampler plans the next step at the new size, no process restarts (Pollux's restart cost is for
@@ -40,6 +40,8 @@ __all__ = ["LOSS_HISTORY", "SimJob", "SimResult", "observation_stats", "run_poli
 
 LOSS_HISTORY = 50
 """Step losses an observation carries (the engine's default ``loss_history``)."""
+FIXED_POINT_PASSES = 6
+"""Most passes over an interval to find each step's efficiency at the progress it starts from."""
 LIMIT_FACTOR = 5.0
 """The default time limit: this many times the slowest static run's bound (:meth:`SimJob.default_time_limit`)."""
 
@@ -138,10 +140,13 @@ class SimJob:
         seconds = float(st.seconds)
         k = np.arange(steps, dtype=np.float64)
         guess = self.progress + k * size * self.efficiency(size, self.progress)  # progress before each step
-        for _ in range(2):  # two fixed-point passes: each step's efficiency at the progress it starts from
+        for _ in range(FIXED_POINT_PASSES):  # each step's efficiency at the progress it starts from
             gains = size * self.efficiency(size, guess)
             reached = self.progress + np.cumsum(gains)  # progress after each step
+            moved = float(np.abs(guess[1:] - reached[:-1]).max()) if steps > 1 else 0.0
             guess[1:] = reached[:-1]
+            if moved <= 1e-9 * reached[-1]:
+                break
         n = steps
         crossing = math.inf
         if reached[-1] >= self.target:
