@@ -169,10 +169,14 @@ def train_policy(
     if env_fns is None:
         from ..controllers.ppo_features import FEATURES
         from ..sim.env import ACTIONS
+        from ..sim.trace import shipped_traces
 
         env_fns = make_env_fns(n_envs, seed, **(env_kwargs or {}))
         feature_names, actions = feature_names or FEATURES, actions or ACTIONS
-    elif feature_names is None or actions is None:
+        trained_on = f"BatchSizeEnv(randomise=True) over the shipped traces {shipped_traces()} and random clusters"
+    else:
+        trained_on = "the given env_fns"
+    if feature_names is None or actions is None:
         raise ValueError("train_policy: with env_fns, pass feature_names and actions too (they go in the metadata).")
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -193,7 +197,7 @@ def train_policy(
         torch.set_num_threads(previous_threads)
     assert watch.low is not None and watch.high is not None
     training = {
-        "algorithm": "PPO (stable-baselines3)", "timesteps": timesteps, "seed": seed, "n_envs": n_envs,
+        "algorithm": "PPO (stable-baselines3)", "environment": trained_on, "timesteps": timesteps, "seed": seed, "n_envs": n_envs,
         "learning_rate": f"cosine {learning_rate:g} -> 0", "n_steps": n_steps, "batch_size": batch_size,
         "n_epochs": n_epochs, "gamma": gamma, "gae_lambda": gae_lambda, "ent_coef": ent_coef,
         "net_arch": list(net_arch), "threads": threads, "seconds": round(seconds, 1),
