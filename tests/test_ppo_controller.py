@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import subprocess
 import sys
 
@@ -168,3 +169,19 @@ def test_under_two_gloo_ranks_rank_0_decides_for_all(tmp_path):
     assert r0["sizes"] == r1["sizes"]
     assert r0["decisions"] >= 3 and r1["decisions"] == 0  # rank 1's controller is never asked
     assert max(r0["sizes"]) == 64 and r0["sizes"][0] == 8  # rank 0's policy doubles: 8 -> 16 -> 32 -> 64
+
+
+def test_the_refinement_reward_reads_loss_goodput_and_utilisation_from_observations():
+    from batchpilot.controllers.ppo_refine import refinement_reward
+
+    before = observation(50, 256, loss=1.0, throughput=5000.0, noise=1000.0)
+    better = observation(100, 512, loss=0.9, throughput=12000.0, noise=1000.0)  # goodput x(12000/5000)(1256/1512)
+    r = refinement_reward(before, better, base_size=256)
+    goodput_gain = (12000 / 5000) * (1000 + 256) / (1000 + 512)
+    assert r == pytest.approx(0.6 * 0.1 + 0.3 * math.log(goodput_gain) + 0.1 * 0.9)
+    worse = observation(100, 512, loss=1.0, throughput=4000.0, noise=1000.0)
+    assert refinement_reward(before, worse, 256) < r
+    unmeasured = observation(100, 512, loss=1.0, throughput=4000.0, noise=None)  # no goodput without phi
+    assert refinement_reward(before, unmeasured, 256) == pytest.approx(0.1 * 0.9)
+    crash = observation(100, 512, loss=50.0, throughput=5000.0)  # each term clipped to [-1, 1]
+    assert refinement_reward(before, crash, 256) >= -0.6 - 0.3
