@@ -41,9 +41,12 @@ def test_the_oracle_beats_every_static_batch_on_a_closed_form_instance():
     time to target is interpolated inside the step that crosses ``P``."""
     trace, spec = make_trace(phi=PHI, a=A, b=B_COEF, base=B0, target_progress=P), ClusterSpec()
     star = math.sqrt(A * PHI / B_COEF)
-    oracle = goodput_oracle(trace, spec)
-    assert oracle.reached and {h["batch_size"] for h in oracle.history} == {round(star)}
-    assert oracle.time_to_target_s == pytest.approx(P / goodput(round(star)), rel=1e-9)
+    greedy = goodput_oracle(trace, spec, method="greedy")
+    assert greedy.reached and {h["batch_size"] for h in greedy.history} == {round(star)}
+    assert greedy.time_to_target_s == pytest.approx(P / goodput(round(star)), rel=1e-9)
+    oracle = goodput_oracle(trace, spec)  # the dynamic program: the same, up to its table's interpolation
+    assert {h["batch_size"] for h in oracle.history} <= {447, 448}
+    assert oracle.time_to_target_s == pytest.approx(greedy.time_to_target_s, rel=1e-6)
     sizes = static_sizes(32, 4096)
     assert sizes[:4] == [32, 45, 64, 91] and sizes[-1] == 4096 and len(sizes) == 15
     for size in sizes:
@@ -53,7 +56,7 @@ def test_the_oracle_beats_every_static_batch_on_a_closed_form_instance():
     best, result = best_static(trace, spec)
     assert best == 512 and result.time_to_target_s == pytest.approx(P / goodput(512), rel=1e-9)  # 512 / 447 < 447 / 362
     same = run_policy(lambda o: round(star), trace, spec, start_size=round(star))
-    assert same.time_to_target_s == pytest.approx(oracle.time_to_target_s, rel=1e-12)  # the oracle's static twin ties
+    assert same.time_to_target_s == pytest.approx(greedy.time_to_target_s, rel=1e-12)  # greedy's static twin ties
 
 
 def test_with_a_rising_noise_scale_the_oracle_follows_the_optimum_and_beats_the_best_static_clearly():
@@ -68,13 +71,33 @@ def test_with_a_rising_noise_scale_the_oracle_follows_the_optimum_and_beats_the_
     star = np.clip(np.sqrt(A * phi / B_COEF), 32, 4096)
     rate = 1.0 / goodput(star, phi)
     least = float(np.sum((rate[1:] + rate[:-1]) / 2 * np.diff(p)))
-    oracle = goodput_oracle(trace, spec)
-    assert oracle.time_to_target_s == pytest.approx(least, rel=2e-3)
-    assert oracle.time_to_target_s >= least * (1 - 1e-4)
-    sizes = oracle.series("batch_size")
-    assert sizes[0] < 150 and sizes[-1] > 1000 and np.all(np.diff(sizes) >= -1)  # it grows with the noise scale
+    for method in ("greedy", "dp"):
+        oracle = goodput_oracle(trace, spec, method=method)
+        assert oracle.time_to_target_s == pytest.approx(least, rel=2e-3)
+        assert oracle.time_to_target_s >= least * (1 - 1e-4)
+        sizes = oracle.series("batch_size")
+        assert sizes[0] < 150 and sizes.max() > 900 and np.all(np.diff(sizes[:-3]) >= -1)  # it grows with phi
     best, static = best_static(trace, spec)
     assert oracle.time_to_target_s < 0.95 * static.time_to_target_s  # measured: 0.93 x static 256
+
+
+def test_where_the_noise_scale_jumps_within_an_interval_the_dynamic_program_beats_greedy_and_every_static():
+    """A noise scale that jumps between 40 and 600 every 750 samples of progress, shorter than one interval of 50
+    steps (as a recorded trace's early or noisy stretch can): greedy holds for 50 steps the size that suited the
+    first of them. The dynamic program over progress (sim/oracle_dp.py) plans for whole intervals."""
+    import dataclasses
+
+    trace = make_trace(a=1e-3, b=1e-4, target_progress=2e4, base=32, points=41)
+    phi = np.where(np.arange(41) % 2 == 0, 40.0, 600.0)
+    trace = dataclasses.replace(trace, noise_scale=phi, grad_var=0.5 * phi)
+    dp = goodput_oracle(trace, "cpu")
+    greedy = goodput_oracle(trace, "cpu", method="greedy")
+    assert greedy.time_to_target_s > 1.01 * dp.time_to_target_s  # measured: 1.018
+    for size in static_sizes(32, 4096):
+        static = run_policy(lambda o, s=size: s, trace, "cpu", start_size=size)
+        assert dp.time_to_target_s < static.time_to_target_s  # the closest, static 45: 1.001
+    with pytest.raises(ValueError, match="method"):
+        goodput_oracle(trace, "cpu", method="bellman")
 
 
 def test_greedy_is_not_beaten_by_other_policies_under_a_day_night_load_and_failures():
@@ -83,8 +106,10 @@ def test_greedy_is_not_beaten_by_other_policies_under_a_day_night_load_and_failu
     8-device cluster whose network load swings over the job's length, with failures."""
     trace = make_trace(phi=(200.0, 20000.0), a=0.02, b=2e-4, grad_bytes=40_000_000, target_progress=1e6)
     spec = ClusterSpec.parse("gpus=8,bandwidth=1e9,load=0.4:0.4:600,fail=0.5,restart=20,repair=120")
-    oracle = goodput_oracle(trace, spec, seed=3)
+    oracle = goodput_oracle(trace, spec, seed=3, method="greedy")
     assert oracle.reached and any(h["events"] for h in oracle.history)
+    dp = goodput_oracle(trace, spec, seed=3)
+    assert dp.time_to_target_s <= oracle.time_to_target_s * (1 + 1e-4)
     rng = np.random.default_rng(0)
     for k in range(30):
         job = make_job(trace, spec, start_size=64, seed=3)
