@@ -36,7 +36,7 @@ from ..controllers.boundary import validate_decision
 from .cluster import Cluster, ClusterSpec, StepTime
 from .trace import Trace
 
-__all__ = ["LOSS_HISTORY", "SimJob", "SimResult", "observation_stats", "run_policy"]
+__all__ = ["LOSS_HISTORY", "SimJob", "SimResult", "drive", "make_job", "observation_stats", "run_policy"]
 
 LOSS_HISTORY = 50
 """Step losses an observation carries (the engine's default ``loss_history``)."""
