@@ -225,3 +225,19 @@ def test_a_job_resumed_from_its_state_continues_exactly():
     assert any(h["events"] for h in a.history)
     with pytest.raises(ValueError, match="state_dict"):
         resumed.load_state_dict({"steps": 3})
+
+
+def test_the_observed_throughput_model_is_the_cluster_s_also_across_failures_and_load_changes():
+    trace = make_trace(phi=(200.0, 20000.0), a=0.02, b=2e-4, target_progress=1e6)
+    spec = ClusterSpec.parse("gpus=8,hetero=0.5,load=0.3:0.3:600,fail=10,restart=20,repair=60")
+    job = make_job(trace, spec, start_size=64, seed=0)
+    worlds = set()
+    while not job.done:
+        job.run(50)
+        stats = job.observe().stats
+        expected = job.cluster.perf_stats()  # uncached, from the same last step
+        for key, value in expected.items():
+            assert stats[key] == pytest.approx(value, rel=1e-12), key
+        worlds.add(stats["dist/world_size"])
+        job.set_batch_size(min(job.batch_size * 2, 1024))
+    assert len(worlds) > 1  # a failure changed the healthy devices on the way

@@ -121,6 +121,7 @@ class SimJob:
         self.losses: deque[float] = deque(maxlen=LOSS_HISTORY)
         self.rng = np.random.default_rng(self.seed)
         self.last_step_time: Any = None
+        self.perf_cache: tuple[tuple[int, ...], dict[str, float]] | None = None
         self.done = self.progress >= self.target
         if self.done:
             self.time_to_target_s = self.time_s
@@ -225,6 +226,7 @@ class SimJob:
         self.rng.bit_generator.state = state["rng"]
         last = state["last_step_time"]
         self.last_step_time = None if last is None else StepTime(*(float(v) for v in last))
+        self.perf_cache = None
 
     def default_time_limit(self) -> float:
         """``LIMIT_FACTOR`` times the longest of three static runs' bounds (at ``min_size``, the current size and
@@ -258,7 +260,7 @@ def observation_stats(job: SimJob) -> dict[str, float]:
         "stats/grad_variance": at["grad_var"], "stats/noise_count": float(job.steps),
         "stats/noise_scale_biased": 0.0, "grad/norm": math.sqrt(max(at["grad_sq"] + at["grad_var"] / size, 0.0)),
     }
-    stats.update(job.cluster.perf_stats())
+    stats.update(_perf_stats(job))
     seconds = float(job.last_step_time.seconds) if job.last_step_time is not None else None
     if seconds:
         stats["perf/step_time_s"], stats["perf/samples_per_s"] = seconds, size / seconds
@@ -266,6 +268,20 @@ def observation_stats(job: SimJob) -> dict[str, float]:
     if job.observe_system:
         stats.update({k: float(v) for k, v in system.items() if k.startswith(("system/", "cluster/"))})
     return stats
+
+
+def _perf_stats(job: SimJob) -> dict[str, float]:
+    """:meth:`Cluster.perf_stats`, kept while the healthy devices stay the same (its fit of the compute line depends
+    on nothing else), with the overhead of the last step taken afresh: ``seconds - compute_s``."""
+    healthy = tuple(job.cluster.healthy)
+    cached = job.perf_cache
+    if cached is None or cached[0] != healthy:
+        cached = job.perf_cache = (healthy, job.cluster.perf_stats())
+    out = dict(cached[1])
+    last = job.last_step_time
+    if last is not None:
+        out["perf/step_overhead_s"] = float(last.seconds) - float(last.compute_s)
+    return out
 
 
 def run_policy(
