@@ -147,3 +147,16 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="Trace"):
         BatchSizeEnv(["not a trace"])
     assert isinstance(Case(TRACES[0], ClusterSpec(), 64, 0), Case)
+
+
+def test_a_hopeless_episode_is_truncated_not_terminated():
+    env = BatchSizeEnv(TRACES, ["cpu"], randomise=False, time_limit_factor=0.05)
+    env.reset(seed=0)
+    steps, done = 0, False
+    while not done:
+        _, _, terminated, truncated, info = env.step(0)
+        steps += 1
+        done = terminated or truncated
+    assert truncated and not terminated and info["time_to_target_s"] == float("inf") and steps < 200
+    with pytest.raises(ValueError, match="time_limit_factor"):
+        BatchSizeEnv(TRACES, time_limit_factor=0)

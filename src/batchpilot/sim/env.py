@@ -42,7 +42,7 @@ import numpy as np
 from .._extras import install_hint
 from ..controllers.ppo_features import FEATURES, features
 from .cluster import ClusterSpec, Device, Network
-from .episode import SimJob, make_job
+from .episode import LIMIT_FACTOR, SimJob, make_job
 from .trace import Trace, load_trace, shipped_traces
 
 try:
@@ -133,6 +133,8 @@ class BatchSizeEnv(gym.Env):
             (:func:`held_out_cases`); overrides ``traces``/``clusters``/``randomise``.
         perturb_scale: Scale of :meth:`Trace.perturbed`.  observation_noise: Of the simulated statistics
             (:class:`~batchpilot.sim.episode.SimJob`; default 0.1 when randomising, else 0).
+        time_limit_factor: An episode is truncated after this many times :meth:`SimJob.default_time_limit`'s
+            bound (default ``LIMIT_FACTOR`` = 5).
     """
 
     metadata = {"render_modes": []}
@@ -141,7 +143,7 @@ class BatchSizeEnv(gym.Env):
                  *, interval: int = 50, min_size: int = 32, max_size: int = 4096,
                  reward_weights: tuple[float, float, float] = (0.6, 0.3, 0.1), randomise: bool = True,
                  seed: int | None = None, cases: Sequence[Case] | None = None, perturb_scale: float = 0.3,
-                 observation_noise: float | None = None) -> None:
+                 observation_noise: float | None = None, time_limit_factor: float = LIMIT_FACTOR) -> None:
         super().__init__()
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"interval must be a whole number of steps >= 1, got {interval!r}.")
@@ -158,6 +160,9 @@ class BatchSizeEnv(gym.Env):
         self.clusters: list[ClusterSpec] | None = specs if specs or randomise else [ClusterSpec.parse("cpu")]
         self.randomise = randomise and self.cases is None
         self.perturb_scale = perturb_scale
+        if not (isinstance(time_limit_factor, (int, float)) and time_limit_factor > 0):
+            raise ValueError(f"time_limit_factor must be a number > 0, got {time_limit_factor!r}; 5 is the default.")
+        self.time_limit_factor = float(time_limit_factor)
         self.observation_noise = (0.1 if self.randomise else 0.0) if observation_noise is None else observation_noise
         self.observation_space = spaces.Box(low=-2.0, high=2.0, shape=(len(FEATURES),), dtype=np.float32)
         self.action_space = spaces.Discrete(len(ACTIONS))
@@ -192,7 +197,7 @@ class BatchSizeEnv(gym.Env):
                                   max_size=self.max_size, seed=case.seed, observation_noise=self.observation_noise,
                                   observe_system=bool(self.np_random.random() < 0.5) if self.randomise else True)
         self._reference(job)
-        self._limit = job.default_time_limit()
+        self._limit = job.default_time_limit(self.time_limit_factor)
         gap = case.trace.target - job.metric
         self._acc_span = gap if gap > 0 else 1.0  # a trace that starts at its target: acc is the raw change
         reward_terms = self._advance(job)

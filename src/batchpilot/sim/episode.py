@@ -228,8 +228,8 @@ class SimJob:
         self.last_step_time = None if last is None else StepTime(*(float(v) for v in last))
         self.perf_cache = None
 
-    def default_time_limit(self) -> float:
-        """``LIMIT_FACTOR`` times the longest of three static runs' bounds (at ``min_size``, the current size and
+    def default_time_limit(self, factor: float = LIMIT_FACTOR) -> float:
+        """``factor`` (default ``LIMIT_FACTOR``) times the longest of three static runs' bounds (at ``min_size``, the current size and
         ``max_size``): ``target / (B * E_min(B)) * T(B)`` with the lowest efficiency over the trace and the step time
         at the current clock. A policy slower than that is hopeless."""
         phi = float(self.trace.noise_scale.min())
@@ -237,7 +237,7 @@ class SimJob:
         for size in {self.min_size, self.batch_size, self.max_size}:
             eff = (phi + self.trace.base_batch_size) / (phi + size)
             bounds.append(self.target / (size * eff) * float(self.cluster.step_time(size).seconds))
-        return self.time_s + LIMIT_FACTOR * max(bounds)
+        return self.time_s + factor * max(bounds)
 
 
 def observation_stats(job: SimJob) -> dict[str, float]:
