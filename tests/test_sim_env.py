@@ -160,3 +160,16 @@ def test_a_hopeless_episode_is_truncated_not_terminated():
     assert truncated and not terminated and info["time_to_target_s"] == float("inf") and steps < 200
     with pytest.raises(ValueError, match="time_limit_factor"):
         BatchSizeEnv(TRACES, time_limit_factor=0)
+
+
+def test_a_job_that_ends_before_the_first_decision_is_drawn_again_or_ends_at_the_first_step():
+    short = make_trace(a=1e-3, b=1e-4, target_progress=2e4, base=32)  # 50 steps at 4096 overshoot it tenfold
+    env = BatchSizeEnv([short], seed=0)
+    for _ in range(100):
+        env.reset()
+        assert not env.job.done
+    fixed = BatchSizeEnv([short], ["cpu"], randomise=False, min_size=1024)  # starts at 1024: done at once
+    obs, info = fixed.reset(seed=0)
+    assert fixed.job.done and info["terms"]["acc"] > 0.9
+    obs, reward, terminated, truncated, info = fixed.step(1)
+    assert terminated and not truncated and reward == 0.0 and info["terms"] == {"acc": 0.0, "time": 0.0, "util": 0.0}

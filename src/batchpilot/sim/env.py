@@ -20,10 +20,13 @@ Needs the optional extra ``rl`` (gymnasium); ``import batchpilot.sim`` does not 
     ``mean u * T / T_ref``. Alone it would reward a slow job; with seed 000's weights a second saved is worth
     ``w_time - w_util * u >= 0.2 / T_ref``, so the sum still prefers the faster job.
 
-  ``info["terms"]`` holds the three unweighted terms of the step.
+  The sums run over the whole job: the first interval, run by ``reset`` at the start size before any decision, has
+  its terms in ``reset``'s ``info["terms"]`` (they are the same for every policy). ``info["terms"]`` of a step holds
+  its three unweighted terms.
 * **Episodes**: with ``randomise=True`` each reset draws a trace (:meth:`Trace.perturbed`, scale ``perturb_scale``),
   a cluster (:func:`random_cluster`: 1-64 devices, heterogeneous speeds, network, day/night load, failures) and a
-  start size; otherwise the traces and clusters given are used in turn. :func:`held_out_cases` draws evaluation
+  start size (drawn again, up to ``REDRAWS`` times, when the job would end within its first interval, before any
+  decision); otherwise the traces and clusters given are used in turn. :func:`held_out_cases` draws evaluation
   cases from a separate seed stream; ``BatchSizeEnv(cases=...)`` replays them in order. A job slower than
   :meth:`SimJob.default_time_limit` is truncated.
 
@@ -55,6 +58,8 @@ __all__ = ["ACTIONS", "BatchSizeEnv", "Case", "HELD_OUT_SEED", "held_out_cases",
 
 ACTIONS: tuple[float, ...] = (0.5, 1.0, 2.0)
 """What each action multiplies the global batch by."""
+REDRAWS = 20
+"""Draws a randomised reset makes to find a job that does not end within its first interval (the last one is kept)."""
 HELD_OUT_SEED = 20_261_206
 """Seed stream of :func:`held_out_cases` (training episodes draw from the reset seed's own stream)."""
 
@@ -192,15 +197,18 @@ class BatchSizeEnv(gym.Env):
         if seed is not None:
             self._episode = 0
         super().reset(seed=seed)
-        self.case = case = self._next_case()
-        self.job = job = make_job(case.trace, case.spec, start_size=case.start_size, min_size=self.min_size,
-                                  max_size=self.max_size, seed=case.seed, observation_noise=self.observation_noise,
-                                  observe_system=bool(self.np_random.random() < 0.5) if self.randomise else True)
-        self._reference(job)
-        self._limit = job.default_time_limit(self.time_limit_factor)
-        gap = case.trace.target - job.metric
-        self._acc_span = gap if gap > 0 else 1.0  # a trace that starts at its target: acc is the raw change
-        reward_terms = self._advance(job)
+        for _ in range(REDRAWS):
+            self.case = case = self._next_case()
+            self.job = job = make_job(case.trace, case.spec, start_size=case.start_size, min_size=self.min_size,
+                                      max_size=self.max_size, seed=case.seed, observation_noise=self.observation_noise,
+                                      observe_system=bool(self.np_random.random() < 0.5) if self.randomise else True)
+            self._reference(job)
+            self._limit = job.default_time_limit(self.time_limit_factor)
+            gap = case.trace.target - job.metric
+            self._acc_span = gap if gap > 0 else 1.0  # a trace that starts at its target: acc is the raw change
+            reward_terms = self._advance(job)
+            if not (job.done and self.randomise):
+                break  # a random draw that ends before the first decision is drawn again
         obs = features(job.observe(), self.min_size, self.max_size)
         return obs, {"case": case, "terms": reward_terms, "reference_time_s": self.reference_time_s}
 
@@ -221,7 +229,9 @@ class BatchSizeEnv(gym.Env):
         return float(np.interp(min(progress, self._ref_p[-1]), self._ref_p, self._ref_t))
 
     def _advance(self, job: SimJob) -> dict[str, float]:
-        """Run one interval; the unweighted reward terms of it."""
+        """Run one interval; the unweighted reward terms of it (all 0 for a job that has already ended)."""
+        if job.done:
+            return {"acc": 0.0, "time": 0.0, "util": 0.0}
         p0, t0, m0 = job.progress, job.time_s, job.metric
         job.run(self.interval)
         t1 = job.time_to_target_s if job.done else job.time_s
