@@ -96,7 +96,7 @@ def run_cluster_seconds(run: Mapping[str, Any], spec: ClusterSpec, device: Measu
     steps = run.get("steps_to_target")
     if steps is None:
         return None
-    cluster = Cluster(spec, device, seed=seed)  # type: ignore[arg-type]  # (a trace's compute side)
+    cluster = Cluster(spec, device, seed=seed)
 
     def spend(size: int, count: int) -> None:
         for _ in range(count):

@@ -26,14 +26,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from ._cluster_parse import parse_spec
-from .trace import Trace
 
-__all__ = ["COMPRESSION", "Cluster", "ClusterSpec", "Device", "Network", "StepTime", "compression_factor"]
+__all__ = ["COMPRESSION", "Cluster", "ClusterSpec", "Device", "DeviceSource", "Network", "StepTime", "compression_factor"]
 
 #: Bytes on the wire per float32 gradient byte. 1bit: one sign bit per value plus a float32 scale per 256 values
 #: (1-bit SGD, Seide et al. 2014; 1-bit Adam, Tang et al. 2021). powersgd: see :func:`compression_factor`.
@@ -196,10 +195,27 @@ def _split(total: int, weights: Sequence[float]) -> list[int]:
     return [int(v) for v in out]
 
 
+class DeviceSource(Protocol):
+    """What a :class:`Cluster` reads of its device: a :class:`~batchpilot.sim.trace.Trace`, or only its step-time side
+    (the bench's cluster clock passes this machine's calibration, :class:`batchpilot.bench.cluster_clock.MeasuredDevice`)."""
+
+    @property
+    def step_sizes(self) -> tuple[int, ...]: ...
+    @property
+    def compute(self) -> tuple[float, float]: ...
+    @property
+    def max_micro_batch_size(self) -> int: ...
+    @property
+    def grad_bytes(self) -> int: ...
+
+    def compute_seconds(self, micro_batch: float) -> float:
+        """Seconds of one step of ``micro_batch`` samples on the recording device."""
+
+
 class Cluster:
     """A :class:`ClusterSpec` running one job of ``trace``, with a clock (see the module docstring)."""
 
-    def __init__(self, spec: ClusterSpec, trace: Trace, seed: int = 0) -> None:
+    def __init__(self, spec: ClusterSpec, trace: DeviceSource, seed: int = 0) -> None:
         if not isinstance(spec, ClusterSpec):
             raise TypeError(f"spec must be a ClusterSpec (ClusterSpec.parse('gpus=16') makes one), got {spec!r}.")
         self.spec, self.trace, self.seed = spec, trace, int(seed)
