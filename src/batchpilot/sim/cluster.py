@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ._cluster_parse import parse_spec
+from ._interp import fit_compute
 
 __all__ = ["COMPRESSION", "Cluster", "ClusterSpec", "Device", "DeviceSource", "Network", "StepTime", "compression_factor"]
 
@@ -207,9 +208,7 @@ class DeviceSource(Protocol):
     def max_micro_batch_size(self) -> int: ...
     @property
     def grad_bytes(self) -> int: ...
-
-    def compute_seconds(self, micro_batch: float) -> float:
-        """Seconds of one step of ``micro_batch`` samples on the recording device."""
+    def compute_seconds(self, micro_batch: float) -> float: ...  # one step of micro_batch samples, in seconds
 
 
 class Cluster:
@@ -248,9 +247,8 @@ class Cluster:
 
     def _name(self, node: int) -> str:
         per = self.spec.devices_per_node
-        if per == 1:
-            return f"device {node}"
-        return f"node {node} (devices {node * per}-{min((node + 1) * per, self.spec.size) - 1})"
+        last = min((node + 1) * per, self.spec.size) - 1
+        return f"device {node}" if per == 1 else f"node {node} (devices {node * per}-{last})"
 
     def load(self) -> float:
         """The network's background load now."""
@@ -359,8 +357,6 @@ class Cluster:
         affine fit of :meth:`compute_seconds` over the trace's sizes), ``perf/step_overhead_s`` (the step's time
         beyond its compute at the last :meth:`step_time`, else the all-reduce's), ``perf/max_micro_batch_size``
         and ``dist/world_size``."""
-        from .trace import fit_compute
-
         up = self.healthy
         slowest = min(up, key=lambda i: self.spec.devices[i].speed)
         sizes = self.trace.step_sizes
