@@ -14,7 +14,17 @@ import torch
 import batchpilot
 from batchpilot.cli import main
 from batchpilot.logs import read_log
-from batchpilot.sim.trace import Trace, fit_compute, load_trace, record_trace, shipped_traces
+from batchpilot.sim.trace import (
+    Trace,
+    crossing,
+    fit_compute,
+    fit_noise_scale_factor,
+    load_trace,
+    record_trace,
+    samples_to_progress,
+    shipped_traces,
+    smoothed,
+)
 
 
 def make_trace(**changes) -> Trace:
@@ -41,6 +51,46 @@ def test_efficiency_is_pollux_formula_with_the_noise_scale_at_that_progress():
     assert t.efficiency(16, 0.0) == pytest.approx(82 / 66)  # a smaller batch than B0 is more efficient per sample
     with pytest.raises(ValueError, match="batch_size must be > 0"):
         t.efficiency(0, 1.0)
+
+
+def test_noise_scale_factor_scales_the_efficiency_and_the_samples_to_target():
+    t = make_trace(noise_scale_factor=3.0)
+    assert t.efficiency(128, 100.0) == pytest.approx((300 + 32) / (300 + 128))
+    np.testing.assert_allclose(t.efficiencies(128, np.array([0.0, 100.0])), [(150 + 32) / (150 + 128), 332 / 428])
+    flat = make_trace(noise_scale=[100.0] * 4, grad_var=[100.0] * 4, grad_sq=[1.0] * 4)  # E constant: 132 / 228
+    assert flat.samples_to_target(128) == pytest.approx(150.0 * 228 / 132, rel=1e-9)
+    assert flat.samples_to_target(32) == pytest.approx(150.0)
+    assert Trace.from_json({k: v for k, v in t.to_json().items() if k != "noise_scale_factor"}).noise_scale_factor == 1
+    with pytest.raises(ValueError, match="noise_scale_factor must be a finite number > 0"):
+        make_trace(noise_scale_factor=0.0)
+
+
+def test_fitted_matches_the_static_runs_and_round_trips(tmp_path):
+    flat = make_trace(noise_scale=[100.0] * 4, grad_var=[100.0] * 4, grad_sq=[1.0] * 4,
+                      static_samples_to_target={512: 150.0 * 1212 / 732})  # what k = 7 gives at 512
+    fitted = flat.fitted()
+    assert fitted.noise_scale_factor == pytest.approx(7.0, rel=1e-2) and fitted.samples_to_target(512) == \
+        pytest.approx(150.0 * 1212 / 732, rel=1e-3)
+    assert Trace.load(fitted.save(tmp_path / "f.json")) == fitted
+    assert Trace.load(fitted.save(tmp_path / "f.json")).static_samples_to_target == {512: 150.0 * 1212 / 732}
+    with pytest.raises(ValueError, match="no static_samples_to_target to fit to"):
+        make_trace().fitted()
+    with pytest.raises(ValueError, match="static_samples_to_target must map batch sizes >= 1 to samples > 0"):
+        make_trace(static_samples_to_target={512: -1.0})
+
+
+def test_smoothing_crossing_and_the_factor_fit_by_hand():
+    np.testing.assert_allclose(smoothed([0, 3, 0, 3, 0], 3), [1.5, 1, 2, 1, 1.5])  # centred, shrinking at the ends
+    np.testing.assert_allclose(smoothed([1, 2], 1), [1, 2])
+    assert crossing([0, 10, 20], [0.1, 0.5, 0.9], 0.7) == pytest.approx(15.0)
+    assert crossing([0, 10], [0.1, 0.5], 0.7) is None and crossing([5, 10], [0.8, 0.9], 0.7) == 5.0
+    progress, phi = np.array([0.0, 1e5]), np.array([100.0, 100.0])
+    # constant phi: a static run at B needs P (k phi + B) / (k phi + B0) samples
+    assert samples_to_progress(progress, phi, 32, 512, 1e5, 7.0) == pytest.approx(1e5 * 1212 / 732, rel=1e-9)
+    measured = {512: 1e5 * 1212 / 732, 2048: 1e5 * 2748 / 732}  # what k = 7 gives
+    assert fit_noise_scale_factor(progress, phi, 32, 1e5, measured) == pytest.approx(7.0, rel=1e-2)
+    with pytest.raises(ValueError, match="no batch size other than B0 = 32"):
+        fit_noise_scale_factor(progress, phi, 32, 1e5, {32: 1e5})
 
 
 def test_target_progress_interpolates_the_first_crossing():
@@ -187,6 +237,10 @@ def test_record_trace_from_a_real_pilot_log(tmp_path):
     first_hit = next(s for s, m in evaluations if m >= 0.6)
     assert len(thin.progress) <= 6 and thin.progress[0] == 0 and thin.progress[-1] == evaluations[-1][0]
     assert first_hit in thin.progress and thin.target_progress() == pytest.approx(t.target_progress())
+    smooth = record_trace(log, evaluations, [32, 64, 128], [0.001, 0.0014, 0.0022], smooth=3, **kw)
+    np.testing.assert_allclose(smooth.metric_values, smoothed([m for _, m in evaluations], 3))
+    k3 = record_trace(log, evaluations, [32], [0.001], noise_scale_factor=3.0, **kw)
+    assert k3.noise_scale_factor == 3.0 and np.allclose(k3.progress, t.progress)  # at B0 progress is samples anyway
     with pytest.raises(ValueError, match="max_points must be a whole number >= 6"):
         record_trace(log, evaluations, [32], [0.001], max_points=2, **kw)
 
@@ -216,11 +270,17 @@ def test_record_trace_refuses_a_log_without_statistics(tmp_path):
 def test_the_trace_command_writes_a_loadable_trace(tmp_path, capsys):
     start = time.perf_counter()
     status = main(["trace", "--workload", "synthetic", "--out", str(tmp_path), "--budget-s", "3", "--max-size", "64",
-                   "--calibrate-steps", "1", "--calibrate-rounds", "1", "--eval-every", "0.25", "--no-progress"])
+                   "--calibrate-steps", "1", "--calibrate-rounds", "1", "--eval-every", "0.1", "--target-window", "3",
+                   "--fit-sizes", "128", "--no-progress"])
     assert status == 0 and time.perf_counter() - start < 60
     t = Trace.load(tmp_path / "synthetic.json")
     assert t.workload == "synthetic" and t.step_sizes == (32, 64) and t.base_batch_size == 32
-    assert "batchpilot trace --workload synthetic --seed 0" in t.source and math.isfinite(t.progress[-1])
+    assert ("batchpilot trace --workload synthetic --seed 0 --budget-s 3.0 --eval-every 0.1 --max-size 64 "
+            "--calibrate-steps 1 --calibrate-rounds 1 --target-window 3 --fit-sizes 128:") in t.source
+    assert list(t.static_samples_to_target) == [128] and t.noise_scale_factor == 1.0
+    assert "static_samples_to_target from static:128" in t.source
+    assert 0 < t.static_samples_to_target[128] and 0.01 <= t.fitted().noise_scale_factor <= 1.1e4
+    assert math.isfinite(t.target_progress())
     assert str(tmp_path / "synthetic.json") in capsys.readouterr().out
 
 
@@ -229,6 +289,7 @@ def test_the_trace_command_writes_a_loadable_trace(tmp_path, capsys):
     (["--budget-s", "0"], "--budget-s must be a positive number"),
     (["--noise-every", "0"], "--noise-every must be a whole number >= 1"),
     (["--target", "1.5"], "--target must be an accuracy"),
+    (["--fit-sizes", "big"], "--fit-sizes 'big' must list whole batch sizes"),
 ])
 def test_the_trace_command_refuses_bad_input(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:

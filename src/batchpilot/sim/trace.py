@@ -20,35 +20,21 @@ import json
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "Trace", "fit_compute", "load_trace", "record_trace", "shipped_traces"]
+from ._interp import crossing, filled, fit_compute, fit_noise_scale_factor, number, samples_to_progress, smoothed, thin
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "Trace", "crossing", "fit_compute", "fit_noise_scale_factor", "load_trace",
+           "record_trace", "samples_to_progress", "shipped_traces", "smoothed"]
 
 FORMAT = "batchpilot-trace"
 FORMAT_VERSION = 1
 _ARRAYS = ("progress", "metric_values", "loss", "noise_scale", "grad_sq", "grad_var")
-
-
-def fit_compute(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
-    """Pollux's ``T_compute = a + b * local_batch`` fitted to a step-time table by least squares on the *relative*
-    error (each size counts alike, so the large sizes' seconds do not swamp the fixed cost ``a``), with ``a, b >= 0``
-    (a fit with a negative term is redone with it at 0)."""
-    x, y = np.asarray(sizes, dtype=float), np.asarray(seconds, dtype=float)
-    w = 1.0 / y
-    if len(x) >= 2 and np.ptp(x) > 0:
-        b, a = np.polyfit(x, y, 1, w=w)
-    else:
-        a, b = 0.0, float(y.mean() / x.mean())
-    if a < 0:
-        a, b = 0.0, float((w * w * x * y).sum() / (w * w * x * x).sum())
-    if b < 0:
-        a, b = float((w * w * y).sum() / (w * w).sum()), 0.0
-    return float(a), float(b)
 
 
 def _vector(name: str, value: Any) -> np.ndarray:
@@ -79,6 +65,10 @@ class Trace:
         step_sizes, step_seconds: Global batch sizes timed on the recording device and seconds per step at each.
         compute: ``(a, b)`` of :func:`fit_compute` over the table.  max_micro_batch_size: The device's memory bound.
         grad_bytes: Bytes of one float32 gradient.  source: How the trace was recorded.
+        noise_scale_factor: ``k`` in the efficiency ``(k phi + B0) / (k phi + B)``; 1 is Pollux's model with the
+            measured noise scale (what controllers observe stays ``noise_scale`` whatever ``k``).
+        static_samples_to_target: Samples to target measured by static runs at other batch sizes (same seed, LR
+            rule and target rule): the evidence :meth:`fitted` fits ``k`` to; empty when none were run.
     """
 
     workload: str
@@ -98,6 +88,8 @@ class Trace:
     max_micro_batch_size: int
     grad_bytes: int
     source: str = ""
+    noise_scale_factor: float = 1.0
+    static_samples_to_target: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         arrays = {name: _vector(name, getattr(self, name)) for name in _ARRAYS}
@@ -131,6 +123,18 @@ class Trace:
             raise ValueError(f"Trace.step_sizes must be ascending whole numbers >= 1, got {sizes}.")
         if not all(math.isfinite(t) and t > 0 for t in seconds):
             raise ValueError(f"Trace.step_seconds must be finite and > 0, got {seconds}.")
+        k = self.noise_scale_factor
+        if isinstance(k, bool) or not isinstance(k, (int, float)) or not (math.isfinite(k) and k > 0):
+            raise ValueError(f"Trace.noise_scale_factor must be a finite number > 0, got {k!r}; 1 is Pollux's model.")
+        object.__setattr__(self, "noise_scale_factor", float(k))
+        try:
+            static = {int(b): float(v) for b, v in dict(self.static_samples_to_target).items()}
+        except (TypeError, ValueError):
+            static = {0: math.nan}
+        if any(b < 1 or not (math.isfinite(v) and v > 0) for b, v in static.items()):
+            raise ValueError(f"Trace.static_samples_to_target must map batch sizes >= 1 to samples > 0, got "
+                             f"{self.static_samples_to_target!r:.120}.")
+        object.__setattr__(self, "static_samples_to_target", static)
         a, b = (float(v) for v in self.compute)
         if not (math.isfinite(a) and math.isfinite(b) and a >= 0 and b >= 0):
             raise ValueError(f"Trace.compute (a, b) must be finite and >= 0, got {self.compute!r}; use fit_compute().")
@@ -152,25 +156,40 @@ class Trace:
         return {k: float(np.interp(progress, self.progress, v)) for k, v in keys.items()}
 
     def efficiency(self, batch_size: float, progress: float) -> float:
-        """Pollux's statistical efficiency ``(phi + B0) / (phi + B)`` with ``phi`` the noise scale at ``progress``."""
+        """Pollux's statistical efficiency ``(phi + B0) / (phi + B)``, ``phi = noise_scale_factor x`` the noise scale at
+        ``progress`` (the factor is 1 unless ``batchpilot trace --fit-sizes`` measured another one)."""
+        return float(self.efficiencies(batch_size, np.asarray(progress, dtype=float)))
+
+    def efficiencies(self, batch_size: float, progress: np.ndarray) -> np.ndarray:
+        """:meth:`efficiency` at every entry of ``progress`` (an array)."""
         if not batch_size > 0:
             raise ValueError(f"batch_size must be > 0, got {batch_size!r}.")
-        phi = float(np.interp(progress, self.progress, self.noise_scale))
+        phi = self.noise_scale_factor * np.interp(progress, self.progress, self.noise_scale)
         return (phi + self.base_batch_size) / (phi + batch_size)
+
+    def samples_to_target(self, batch_size: float) -> float:
+        """Samples a static run at ``batch_size`` needs to reach the target: the integral of ``dp / E(B, p)``."""
+        return samples_to_progress(self.progress, self.noise_scale, self.base_batch_size, batch_size,
+                                   self.target_progress(), self.noise_scale_factor)
+
+    def fitted(self) -> Trace:
+        """A copy whose :attr:`noise_scale_factor` makes the efficiency model give the
+        :attr:`static_samples_to_target` measured at other batch sizes (:func:`fit_noise_scale_factor`)."""
+        if not self.static_samples_to_target:
+            raise ValueError(f"trace {self.workload!r} has no static_samples_to_target to fit to; record it with "
+                             "`batchpilot trace --fit-sizes 512` (or set the field from your own static runs).")
+        factor = fit_noise_scale_factor(self.progress, self.noise_scale, self.base_batch_size, self.target_progress(),
+                                        self.static_samples_to_target)
+        return replace(self, noise_scale_factor=factor)
 
     def target_progress(self) -> float:
         """The first progress at which the metric reaches the target (linear interpolation between the points)."""
-        hits = np.nonzero(self.metric_values >= self.target)[0]
-        if len(hits) == 0:
+        reach = crossing(self.progress, self.metric_values, self.target)
+        if reach is None:
             raise ValueError(f"trace {self.workload!r} never reaches its target {self.target:g} (best {self.metric} "
                              f"{self.metric_values.max():g}); lower it with dataclasses.replace(trace, target=...) or "
                              "record a longer run.")
-        i = int(hits[0])
-        if i == 0:
-            return 0.0
-        p0, p1 = self.progress[i - 1], self.progress[i]
-        m0, m1 = self.metric_values[i - 1], self.metric_values[i]
-        return float(p0 + (self.target - m0) / (m1 - m0) * (p1 - p0))
+        return reach
 
     def compute_seconds(self, micro_batch: float) -> float:
         """Seconds of one step of ``micro_batch`` samples on the recording device: the step-time table interpolated
@@ -205,6 +224,8 @@ class Trace:
         out: dict[str, Any] = {"format": FORMAT, "version": FORMAT_VERSION}
         for f in fields(self):
             value = getattr(self, f.name)
+            if isinstance(value, dict):
+                value = {str(k): v for k, v in value.items()}  # JSON keys are text; from_json reads them back
             out[f.name] = value.tolist() if isinstance(value, np.ndarray) else (
                 list(value) if isinstance(value, tuple) else value)
         return out
@@ -221,7 +242,8 @@ class Trace:
             raise ValueError(f"trace format version {version!r} is not {FORMAT_VERSION}, the one this batchpilot "
                              "reads; record the trace again with this version (or upgrade batchpilot).")
         names = [f.name for f in fields(cls)]
-        missing = [n for n in names if n not in data and n != "source"]
+        missing = [n for n in names if n not in data and n not in ("source", "noise_scale_factor",
+                                                                  "static_samples_to_target")]
         if missing:
             raise ValueError(f"the trace lacks {', '.join(missing)}; record it again with `batchpilot trace`.")
         values = {n: data[n] for n in names if n in data}
@@ -295,37 +317,11 @@ def _read_steps(log: str | os.PathLike | Iterable[Mapping[str, Any]]) -> list[Ma
     return steps
 
 
-def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and \
-        math.isfinite(value) else None
-
-
-def _filled(values: Sequence[Any]) -> np.ndarray | None:
-    """Positive finite ``values`` as floats, each gap filled with the last value before it (the first value for a
-    gap at the start); ``None`` when there is none."""
-    numbers = [_number(v) for v in values]
-    good = [v for v in numbers if v is not None and v > 0]
-    if not good:
-        return None
-    out, last = [], good[0]
-    for v in numbers:
-        last = v if v is not None and v > 0 else last
-        out.append(last)
-    return np.array(out)
-
-
-def _thin(n: int, keep: set[int], max_points: int) -> list[int]:
-    """At most ``max_points`` indices of ``range(n)``, evenly spread, always with those in ``keep``."""
-    if n <= max_points:
-        return list(range(n))
-    chosen = {int(round(i)) for i in np.linspace(0, n - 1, max(max_points - len(keep), 2))} | keep
-    return sorted(chosen)
-
-
 def record_trace(log: str | os.PathLike | Iterable[Mapping[str, Any]], evaluations: Sequence[tuple[float, float]],
                  step_sizes: Sequence[int], step_seconds: Sequence[float], *, workload: str, target: float,
                  num_samples: int, grad_bytes: int, base_batch_size: int | None = None, metric: str = "accuracy",
-                 max_micro_batch_size: int | None = None, source: str = "", max_points: int = 200) -> Trace:
+                 max_micro_batch_size: int | None = None, source: str = "", max_points: int = 200, smooth: int = 1,
+                 noise_scale_factor: float = 1.0) -> Trace:
     """Build a :class:`Trace` from a Pilot run.
 
     Args:
@@ -340,11 +336,15 @@ def record_trace(log: str | os.PathLike | Iterable[Mapping[str, Any]], evaluatio
         max_micro_batch_size: The memory bound (default: the largest size timed).
         max_points: Evaluation points kept, >= 6 (evenly thinned; the first, the last, and the first at the target
             and the one before it stay).
+        smooth: The metric is the centred moving average over this many evaluations (:func:`~._interp.smoothed`;
+            1: as measured), so that the target is where the expected metric reaches it, not where one noisy
+            evaluation first does.
+        noise_scale_factor: See :attr:`Trace.noise_scale_factor`.
 
     Progress is ``sum B_t E(B_t)`` over the steps, each ``E`` with the noise scale last measured (the first
-    measurement before that). Statistics at a point are the engine's smoothed values at the last step before it
-    (the point at 0, before any step, takes the next point's); loss is the mean over the steps since the
-    previous kept point.
+    measurement before that; ``noise_scale_factor`` applies). Statistics at a point are the engine's smoothed
+    values at the last step before it (the point at 0, before any step, takes the next point's); loss is the mean
+    over the steps since the previous kept point.
     """
     if isinstance(max_points, bool) or not isinstance(max_points, int) or max_points < 6:
         raise ValueError(f"max_points must be a whole number >= 6, got {max_points!r}.")
@@ -354,15 +354,15 @@ def record_trace(log: str | os.PathLike | Iterable[Mapping[str, Any]], evaluatio
     if (sizes <= 0).any():
         sizes = np.diff(np.concatenate([[0.0], samples]))
     b0 = int(base_batch_size if base_batch_size is not None else sizes[0])
-    phi = _filled([r.get("stats/noise_scale") for r in steps])
-    var = _filled([r.get("stats/trace_cov") for r in steps])
+    phi = filled([r.get("stats/noise_scale") for r in steps])
+    var = filled([r.get("stats/trace_cov") for r in steps])
     if phi is None or var is None:
         raise ValueError("the log has no positive stats/noise_scale and stats/trace_cov in any step record; record "
                          "the run with Pilot(noise_every=1) (or another period) so the gradient statistics are "
                          "measured.")
-    filled = phi
-    progress = np.cumsum(sizes * (filled + b0) / (filled + sizes))
-    losses = np.array([_number(r.get("loss")) if _number(r.get("loss")) is not None else np.nan for r in steps])
+    k_phi = noise_scale_factor * phi
+    progress = np.cumsum(sizes * (k_phi + b0) / (k_phi + sizes))
+    losses = np.array([number(r.get("loss")) if number(r.get("loss")) is not None else np.nan for r in steps])
 
     evals = sorted((float(s), float(m)) for s, m in evaluations)
     if not evals:
@@ -372,10 +372,11 @@ def record_trace(log: str | os.PathLike | Iterable[Mapping[str, Any]], evaluatio
     ev_samples = np.array([s for s, _ in evals])
     ev_progress = np.interp(ev_samples, np.concatenate([[0.0], samples]), np.concatenate([[0.0], progress]))
     keep_mask = np.concatenate([[True], np.diff(ev_progress) > 0])  # evaluations past the log's end collapse
-    ev_progress, ev_metric = ev_progress[keep_mask], np.array([m for _, m in evals])[keep_mask]
+    ev_progress = ev_progress[keep_mask]
+    ev_metric = smoothed(np.array([m for _, m in evals])[keep_mask], smooth)
     hits = np.nonzero(ev_metric >= target)[0]
     keep = {0, len(ev_progress) - 1} | ({int(hits[0]), max(int(hits[0]) - 1, 0)} if len(hits) else set())
-    chosen = _thin(len(ev_progress), keep, max_points)
+    chosen = thin(len(ev_progress), keep, max_points)
     points = ev_progress[chosen]
     last_step = np.searchsorted(progress, points, side="right") - 1  # the last step at or before each point
     index = np.clip(last_step, 0, len(steps) - 1)
@@ -386,11 +387,11 @@ def record_trace(log: str | os.PathLike | Iterable[Mapping[str, Any]], evaluatio
         loss.append(float(window.mean()) if len(window) else (loss[-1] if loss else 0.0))
     if len(index) > 1:  # nothing is measured at 0: the first point takes the statistics of the next one
         index[0] = index[1]
-    noise, grad_var = filled[index], var[index]
+    noise, grad_var = phi[index], var[index]
     table_sizes = [int(s) for s in step_sizes]
     return Trace(workload=workload, base_batch_size=b0, num_samples=num_samples, metric=metric, target=float(target),
                  progress=points, metric_values=ev_metric[chosen], loss=np.nan_to_num(loss), noise_scale=noise,
                  grad_sq=grad_var / noise, grad_var=grad_var, step_sizes=tuple(table_sizes),
                  step_seconds=tuple(float(t) for t in step_seconds), compute=fit_compute(table_sizes, step_seconds),
                  max_micro_batch_size=int(max_micro_batch_size or max(table_sizes)), grad_bytes=int(grad_bytes),
-                 source=source)
+                 source=source, noise_scale_factor=noise_scale_factor)
