@@ -128,9 +128,10 @@ class SimJob:
 
     # ------------------------------------------------------------------------------------------ dynamics
     def efficiency(self, batch_size: float, progress: float | np.ndarray) -> Any:
-        """``E(B) = (phi + B0) / (phi + B)`` at ``progress`` (array-friendly; the same as :meth:`Trace.efficiency`)."""
-        phi = np.interp(progress, self.trace.progress, self.trace.noise_scale)
-        return (phi + self.trace.base_batch_size) / (phi + batch_size)
+        """``E(B) = (k phi + B0) / (k phi + B)`` at ``progress`` (array-friendly; :meth:`Trace.efficiencies`, with the
+        trace's ``noise_scale_factor`` k: 1 unless the trace was fitted to static runs)."""
+        return self.trace.efficiencies(batch_size, np.atleast_1d(np.asarray(progress, dtype=float))) \
+            if np.ndim(progress) else self.trace.efficiency(batch_size, float(progress))
 
     def run(self, steps: int) -> None:
         """Run ``steps`` optimizer steps at the current batch size (fewer when the target is crossed)."""
