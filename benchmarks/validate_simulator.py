@@ -10,8 +10,10 @@ it is: Goodput from the knee its probes found, plus the probes' steps), this com
   against progress) with the step times of *the bench's own calibration* (so the device is the one the runs used;
   the trace's own table was recorded with other settings). One simulated job per bench seed, the median reported.
 
-The simulator is trusted where the error against the cost model is within 20%. Writes ``OUT/validation.json``
-and ``OUT/validation.md``.
+Two efficiency models are validated side by side: ``pollux`` (the trace's measured noise scale, Pollux's model)
+and ``fitted`` (the noise scale times the factor that makes the model match the trace's own static runs,
+:meth:`Trace.fitted`; the policies still *observe* the measured noise scale). The simulator is trusted where the
+error against the cost model is within 20%. Writes ``OUT/validation.json`` and ``OUT/validation.md``.
 
     python benchmarks/validate_simulator.py bench-out/digits/results.json bench-out/mnist1d/results.json --out OUT
 """
@@ -78,10 +80,10 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def validate(results: dict[str, Any], trace: Trace) -> list[dict[str, Any]]:
+def validate(results: dict[str, Any], trace: Trace, model: str = "pollux") -> list[dict[str, Any]]:
     """One row per simulable policy of ``results``: measured and simulated medians and the errors."""
     cal = Calibration.from_json(results["calibration"])
-    dev = device_trace(trace, cal)
+    dev = device_trace(trace.fitted() if model == "fitted" else trace, cal)
     lo, hi = int(results["config"]["min_batch_size"]), int(results["config"]["max_batch_size"])
     rows = []
     for policy in sorted({r["policy"] for r in results["runs"]}):
@@ -94,7 +96,7 @@ def validate(results: dict[str, Any], trace: Trace) -> list[dict[str, Any]]:
         cost = _median([r["cost_model_time_to_target_s"] for r in runs
                         if r.get("cost_model_time_to_target_s") is not None])
         sim = _median([s for s in sims if s is not None])
-        rows.append({"workload": results["workload"], "policy": policy, "seeds": len(runs),
+        rows.append({"workload": results["workload"], "model": model, "policy": policy, "seeds": len(runs),
                      "reached_measured": sum(r["time_to_target_s"] is not None for r in runs),
                      "reached_simulated": sum(s is not None for s in sims),
                      "measured_wall_s": wall, "measured_cost_model_s": cost, "simulated_s": sim,
@@ -108,12 +110,12 @@ def _fmt(x: Any, spec: str) -> str:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| workload | policy | reached (measured / simulated) | measured wall | measured cost model | simulated "
-             "| error vs cost model | error vs wall | trusted (within 20%) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | model | policy | reached (measured / simulated) | measured wall | measured cost model | simulated "
+             "| error vs cost model | error vs wall | trusted (within 20%) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         err = r["error_vs_cost_model"]
         trusted = "—" if err is None else ("yes" if abs(err) <= TRUSTED else "no")
-        lines.append(f"| {r['workload']} | {r['policy']} | {r['reached_measured']}/{r['seeds']} / "
+        lines.append(f"| {r['workload']} | {r['model']} | {r['policy']} | {r['reached_measured']}/{r['seeds']} / "
                      f"{r['reached_simulated']}/{r['seeds']} | {_fmt(r['measured_wall_s'], '.2f')} s | "
                      f"{_fmt(r['measured_cost_model_s'], '.2f')} s | {_fmt(r['simulated_s'], '.2f')} s | "
                      f"{_fmt(err, '+.0%')} | {_fmt(r['error_vs_wall'], '+.0%')} | {trusted} |")
@@ -125,13 +127,16 @@ def main() -> None:
     parser.add_argument("results", nargs="+", help="bench results.json files (one per workload)")
     parser.add_argument("--trace", action="append", default=None,
                         help="trace per results file (default: the shipped trace named like the workload)")
+    parser.add_argument("--model", choices=("pollux", "fitted", "both"), default="both",
+                        help="efficiency model(s) to validate (default both)")
     parser.add_argument("--out", default="bench-out/validation")
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
     for i, path in enumerate(args.results):
         results = json.loads(Path(path).read_text())
         trace = load_trace(args.trace[i] if args.trace else results["workload"])
-        rows += validate(results, trace)
+        for model in ("pollux", "fitted") if args.model == "both" else (args.model,):
+            rows += validate(results, trace, model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "validation.json").write_text(json.dumps(rows, indent=1))
