@@ -241,3 +241,18 @@ def test_the_observed_throughput_model_is_the_cluster_s_also_across_failures_and
         worlds.add(stats["dist/world_size"])
         job.set_batch_size(min(job.batch_size * 2, 1024))
     assert len(worlds) > 1  # a failure changed the healthy devices on the way
+
+
+def test_a_fitted_noise_scale_factor_is_part_of_the_true_model():
+    """A trace whose efficiency was fitted to static runs (``noise_scale_factor`` k: ``E = (k phi + B0)/(k phi + B)``)
+    is simulated as fitted: with constant ``phi`` the optimum moves to ``sqrt(a k phi / b)``, and the oracle (both
+    methods) follows it while the observation still reports the measured ``phi``."""
+    import dataclasses
+
+    trace = dataclasses.replace(make_trace(phi=PHI, a=A, b=B_COEF, base=B0, target_progress=P), noise_scale_factor=0.25)
+    star = round(math.sqrt(A * 0.25 * PHI / B_COEF))  # 224
+    assert {h["batch_size"] for h in goodput_oracle(trace, "cpu", method="greedy").history} == {star}
+    assert {h["batch_size"] for h in goodput_oracle(trace, "cpu").history} <= {star - 1, star, star + 1}
+    job = make_job(trace, "cpu", start_size=64)
+    job.run(50)
+    assert job.observe().stats["stats/noise_scale"] == PHI

@@ -233,7 +233,7 @@ class SimJob:
         """``factor`` (default ``LIMIT_FACTOR``) times the longest of three static runs' bounds (at ``min_size``, the current size and
         ``max_size``): ``target / (B * E_min(B)) * T(B)`` with the lowest efficiency over the trace and the step time
         at the current clock. A policy slower than that is hopeless."""
-        phi = float(self.trace.noise_scale.min())
+        phi = self.trace.noise_scale_factor * float(self.trace.noise_scale.min())
         bounds = []
         for size in {self.min_size, self.batch_size, self.max_size}:
             eff = (phi + self.trace.base_batch_size) / (phi + size)

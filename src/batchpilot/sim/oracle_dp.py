@@ -62,7 +62,7 @@ def _interval(job: SimJob, start: np.ndarray, sizes: np.ndarray, seconds: np.nda
     crossed_at = np.full(p.shape, np.nan)
     b0 = trace.base_batch_size
     for k in range(steps):
-        phi = np.interp(p, trace.progress, trace.noise_scale)
+        phi = trace.noise_scale_factor * np.interp(p, trace.progress, trace.noise_scale)  # the true model's
         gain = sizes * (phi + b0) / (phi + sizes)
         new = p + gain
         hit = (new >= target) & np.isnan(crossed_at)
@@ -87,7 +87,7 @@ class ValueTable:
         interval = self.interval
         target = job.target
         smallest = float(self.sizes.min())
-        phi_min = float(job.trace.noise_scale.min())
+        phi_min = job.trace.noise_scale_factor * float(job.trace.noise_scale.min())
         least_gain = interval * smallest * (phi_min + job.trace.base_batch_size) / (phi_min + smallest)
         n = int(min(max(math.ceil(2 * target / least_gain), 64), MAX_POINTS))
         grid = np.linspace(0.0, target, n + 1)
