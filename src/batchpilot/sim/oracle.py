@@ -12,8 +12,8 @@ moment, greedy would follow ``dp/dt = G*(p, t) = max_B G(B, p, t)`` while any ot
 
 *Dynamic program* (``method="dp"``, the default; :mod:`.oracle_dp`): the policies compared here decide every
 ``interval`` steps, so a size is held while the noise scale moves, and the recorded noise scale can move a lot
-within fifty steps. Greedy then holds a size that suited the first of them only: on the shipped ``seqsum`` trace a
-static batch of 32 beat it by 0.6%. The dynamic program minimises the time to target over policies that hold a size
+within fifty steps. Greedy then holds a size that suited the first of them only: on an earlier, unsmoothed
+recording of ``seqsum`` a static batch of 32 beat it by 0.6%. The dynamic program minimises the time to target over policies that hold a size
 for ``interval`` steps (Bellman's recursion over progress), so it also beats every static size, which is such a
 policy. Where the noise scale is smooth, the two agree to a fraction of a percent.
 
