@@ -223,3 +223,14 @@ def test_shipped_trace_on_a_cluster_gains_throughput_with_the_batch():
     rates = [b / c.step_time(b).seconds for b in (32, 512, 8192)]
     assert rates[0] < rates[1] < rates[2]
     assert np.isfinite(rates).all()
+
+
+def test_a_cluster_that_restarts_faster_than_it_fails_is_refused_not_hung():
+    # 8 nodes failing 30 times an hour each, 20 s per restart and 60 s per repair: a failure or repair arrives about
+    # every 8 s while each costs 20 s, so no step could ever run; advance() must say so instead of looping forever.
+    from batchpilot.sim.cluster import Cluster, ClusterSpec
+    from batchpilot.sim.trace import load_trace
+
+    cluster = Cluster(ClusterSpec.parse("gpus=8,fail=30,restart=20,repair=60"), load_trace("digits"))
+    with pytest.raises(RuntimeError, match="never runs a step; lower fail= or restart="):
+        cluster.advance(100.0)

@@ -26,11 +26,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from ._cluster_parse import parse_spec
+from ._device import DeviceSource
 from ._interp import fit_compute
 
 __all__ = ["COMPRESSION", "Cluster", "ClusterSpec", "Device", "DeviceSource", "Network", "StepTime", "compression_factor"]
@@ -39,6 +40,7 @@ __all__ = ["COMPRESSION", "Cluster", "ClusterSpec", "Device", "DeviceSource", "N
 #: (1-bit SGD, Seide et al. 2014; 1-bit Adam, Tang et al. 2021). powersgd: see :func:`compression_factor`.
 COMPRESSION = {"none": 1.0, "fp16": 0.5, "bf16": 0.5, "1bit": 1 / 32 + 1 / 256}
 MAX_LOAD = 0.95
+MAX_EVENTS = 10_000  # failures and repairs in one advance() beyond which the cluster cannot run a step
 
 
 def compression_factor(compression: str, grad_bytes: int) -> float:
@@ -196,21 +198,6 @@ def _split(total: int, weights: Sequence[float]) -> list[int]:
     return [int(v) for v in out]
 
 
-class DeviceSource(Protocol):
-    """What a :class:`Cluster` reads of its device: a :class:`~batchpilot.sim.trace.Trace`, or only its step-time side
-    (the bench's cluster clock passes this machine's calibration, :class:`batchpilot.bench.cluster_clock.MeasuredDevice`)."""
-
-    @property
-    def step_sizes(self) -> tuple[int, ...]: ...
-    @property
-    def compute(self) -> tuple[float, float]: ...
-    @property
-    def max_micro_batch_size(self) -> int: ...
-    @property
-    def grad_bytes(self) -> int: ...
-    def compute_seconds(self, micro_batch: float) -> float: ...  # one step of micro_batch samples, in seconds
-
-
 class Cluster:
     """A :class:`ClusterSpec` running one job of ``trace``, with a clock (see the module docstring)."""
 
@@ -343,6 +330,11 @@ class Cluster:
                 events.append(f"failure: {self._name(i)}")
             end += self.spec.restart_s
             self.restarts += 1
+            if len(events) > MAX_EVENTS:  # failures and repairs come faster than restarts end: no step ever runs
+                raise RuntimeError(f"the cluster spent {end - self.time_s - seconds:.3g} s restarting within one advance "
+                                   f"({len(events)} failures and repairs): with fail={self.spec.failure_rate_per_hour:g}"
+                                   f"/h per node and restart={self.spec.restart_s:g} s it never runs a step; lower "
+                                   "fail= or restart=.")
             if not self.healthy:
                 back = min(t for t in self._down_until if t is not None)
                 if back > end:
