@@ -87,3 +87,13 @@ def test_gae_refuses_bad_input_with_the_value_named():
         gae([], [], [], 0.0)
     with pytest.raises(TypeError, match="rewards"):
         gae("abc", [0.0], [0], 0.0)
+
+
+def test_importing_batchpilot_rl_needs_neither_stable_baselines3_nor_gymnasium():
+    import subprocess
+    import sys
+
+    code = ("import sys, batchpilot.rl; bad = [m for m in sys.modules if m.startswith(('stable_baselines3', "
+            "'gymnasium'))]; assert not bad, bad")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
