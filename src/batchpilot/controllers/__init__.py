@@ -6,6 +6,7 @@ from .boundary import validate_decision
 from .callable import Schedule, linear_increase_scheduler
 from .goodput import Goodput
 from .noise_scale import NoiseScale
+from .ppo import PPOController
 from .schedules import Constant, Exponential, LinearIncrease, MultiplicativeStep, Piecewise, WarmupRamp
 from .threshold_rules import ThresholdRules
 from .variance_rule import VarianceRule
@@ -21,6 +22,7 @@ __all__ = [
     "MultiplicativeStep",
     "NoiseScale",
     "Observation",
+    "PPOController",
     "Piecewise",
     "Schedule",
     "ThresholdRules",
