@@ -30,6 +30,11 @@ def test_wheel_ships_py_typed_and_the_cli(tmp_path: Path) -> None:
     # PEP 561: without py.typed a user's mypy treats batchpilot as untyped and ignores its annotations.
     assert "batchpilot/py.typed" in names
     assert "batchpilot/integrations/hf/trainer.py" in names and "batchpilot/bench/workloads.py" in names
+    # Package data: PPOController() and the simulator work from an installed wheel only with these.
+    assert {"batchpilot/controllers/policies/ppo_default.pt", "batchpilot/controllers/policies/ppo_default.json"} <= names
+    traces = {n for n in names if n.startswith("batchpilot/sim/traces/") and n.endswith(".json")}
+    shipped = {f"batchpilot/sim/traces/{p.name}" for p in (ROOT / "src/batchpilot/sim/traces").glob("*.json")}
+    assert shipped and traces == shipped
 
 
 def test_a_framework_that_is_installed_but_fails_to_import_is_not_called_missing() -> None:

@@ -18,7 +18,7 @@ from _ppo_helpers import constant_policy, dist_worker, observation, random_polic
 from batchpilot.controllers.goodput import Goodput
 from batchpilot.controllers.ppo import PPOController
 from batchpilot.controllers.ppo_features import FEATURES, features
-from batchpilot.controllers.ppo_policy import SHIPPED_POLICY, load_policy, save_policy
+from batchpilot.controllers.ppo_policy import SHIPPED_POLICY, PolicyMLP, load_policy, save_policy
 
 
 def test_the_shipped_policy_loads_with_torch_only_and_describes_its_training():
@@ -27,7 +27,11 @@ def test_the_shipped_policy_loads_with_torch_only_and_describes_its_training():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     net, meta = load_policy()
-    assert meta.features == FEATURES and meta.actions == (0.5, 1.0, 2.0)
+    assert meta.features == FEATURES and meta.actions == (0.25, 0.5, 1.0, 2.0, 4.0)
+    assert (meta.first_interval, meta.interval, meta.bisect) == (10, 10, True)
+    c = PPOController()
+    assert (c.first_interval, c.interval, c.bisect) == (10, 10, True)  # the controller reads its schedule there
+    assert "--actions 0.25,0.5,1,2,4 --interval 10 --first-interval 10" in meta.training["command"]
     training = meta.training
     assert training["gamma"] == 0.99 and training["gae_lambda"] == 0.95 and training["n_epochs"] == 4
     assert training["timesteps"] > 0 and "command" in training and "evaluation" in training
@@ -42,11 +46,11 @@ def test_the_shipped_policy_decides_in_distribution_on_a_simulated_observation()
 
     trace = load_trace(shipped_traces()[0])
     job = make_job(trace, "gpus=8", start_size=trace.base_batch_size)
-    job.run(50)
+    job.run(10)
     c = PPOController()
     size = c.decide(job.observe())
     assert c.policy_decisions == 1 and c.fallbacks == 0, c.reason
-    assert size in {max(32, round(job.batch_size * f)) for f in (0.5, 1, 2)}
+    assert size in {max(32, round(job.batch_size * f)) for f in c.meta.actions}
     assert "policy chose" in c.reason
 
 
@@ -64,6 +68,86 @@ def test_it_acts_once_per_interval():
     assert c.decide(observation(50, 256)) == 512
     assert c.decide(observation(60, 512)) == 512 and "next decision at step 100" in c.reason
     assert c.decide(observation(100, 512)) == 1024
+
+
+def test_the_decision_schedule_and_actions_come_from_the_policy_s_metadata():
+    import dataclasses
+
+    net, m = constant_policy(2)
+    wide = dataclasses.replace(m, interval=20, first_interval=10)
+    c = PPOController(32, 4096, policy=(net, wide))
+    assert (c.first_interval, c.interval) == (10, 20)
+    assert c.decide(observation(5, 64)) == 64  # before the first decision
+    assert c.decide(observation(10, 64)) == 128  # first decision after 10 steps
+    assert c.decide(observation(20, 128)) == 128 and "next decision at step 30" in c.reason
+    assert c.decide(observation(30, 128)) == 256 and c.decide(observation(50, 256)) == 512
+    assert PPOController(32, 4096, policy=(net, wide), interval=7).first_interval == 7  # an explicit interval wins
+    # Seven actions: index 6 is x8.
+    seven = PolicyMLP(len(FEATURES), 7, (4,))
+    with torch.no_grad():
+        for p in seven.parameters():
+            p.zero_()
+        seven.action_head.bias[6] = 10.0
+    meta7 = dataclasses.replace(m, actions=(0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0), interval=10)
+    assert PPOController(32, 4096, policy=(seven, meta7)).decide(observation(10, 64)) == 512
+
+
+def test_a_policy_file_without_a_schedule_decides_every_50_steps_as_before(tmp_path):
+    net, m = constant_policy(2)
+    path = save_policy(net, m, tmp_path / "old.pt")
+    data = json.loads(path.with_suffix(".json").read_text())
+    del data["interval"], data["first_interval"]  # what the first shipped policy's file looked like
+    path.with_suffix(".json").write_text(json.dumps(data))
+    c = PPOController(32, 4096, policy=str(path))
+    assert (c.first_interval, c.interval) == (50, 50) and c.meta.actions == (0.5, 1.0, 2.0)
+    assert [c.decide(observation(s, 64)) for s in (10, 49, 50, 99, 100)] == [64, 64, 128, 64, 128]
+
+
+def _up_below_down_above(middle: float = 0.5):
+    """A 5-action policy (x1/4 ... x4) that picks x4 below ``middle`` of the batch's position in the bounds and x1/4
+    above it: it alternates around the middle unless damped."""
+    import dataclasses
+
+    net, m = constant_policy(2)
+    five = PolicyMLP(len(FEATURES), 5, (4,))
+    with torch.no_grad():
+        for p in five.parameters():
+            p.zero_()
+        five.policy_net[0].weight[0, FEATURES.index("batch_pos")] = 1.0
+        five.policy_net[0].bias[0] = -middle
+        five.action_head.weight[4, 0], five.action_head.weight[0, 0] = -100.0, 100.0
+    return five, dataclasses.replace(m, actions=(0.25, 0.5, 1.0, 2.0, 4.0))
+
+
+def _sizes(c: PPOController, start: int, n: int, first_step: int = 1) -> list[int]:
+    sizes = [start]
+    for step in range(first_step, first_step + n):
+        sizes.append(c.decide(observation(step, sizes[-1])))
+    return sizes
+
+
+def test_damping_closes_in_on_the_size_a_policy_alternates_around():
+    import math
+
+    net, m = _up_below_down_above()
+    plain = _sizes(PPOController(32, 4096, policy=(net, m), interval=1), 64, 12)
+    assert plain[:5] == [64, 256, 1024, 256, 1024]  # alternates x4 / x1/4 forever
+    damped_c = PPOController(32, 4096, policy=(net, m), interval=1, bisect=True)
+    damped = _sizes(damped_c, 64, 40)
+    assert damped[:4] == [64, 256, 1024, 512]  # the reversal moves x1/2, not x1/4
+    three = PPOController(32, 4096, policy=(net, m), interval=1, bisect=True)
+    _sizes(three, 64, 3)
+    assert "damped from 256" in three.reason
+    middle = math.sqrt(32 * 4096)  # batch_pos = 0.5
+    assert all(abs(math.log2(b / middle)) < 0.25 for b in damped[-10:])  # within x1.19 of the middle
+    # the state carries the step: a reloaded controller continues identically
+    again = PPOController(32, 4096, policy=(net, m), interval=1, bisect=True)
+    half = _sizes(again, 64, 20)
+    state = again.state_dict()
+    fresh = PPOController(32, 4096, policy=(net, m), interval=1, bisect=True)
+    fresh.load_state_dict(state)
+    assert _sizes(fresh, half[-1], 20, first_step=21)[1:] == damped[21:]
+    assert PPOController(32, 4096, policy=(net, m)).bisect is False  # off unless the metadata or the caller says
 
 
 def test_out_of_distribution_observations_go_to_goodput_and_say_why():

@@ -3,6 +3,7 @@ the cosine schedule; a tiny `batchpilot rl train` run."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -59,10 +60,17 @@ def test_batchpilot_rl_train_writes_a_policy_the_controller_loads(tmp_path, caps
 
     out = tmp_path / "policy"
     assert main(["rl", "train", "--timesteps", "512", "--n-envs", "2", "--seed", "1", "--eval-episodes", "1",
-                 "--out", str(out), "--no-progress"]) == 0
+                 "--out", str(out), "--no-progress", "--actions", "0.25,0.5,1,2,4", "--interval", "15",
+                 "--first-interval", "5"]) == 0
     printed = capsys.readouterr().out
     assert "median ppo/oracle" in printed and "policy:" in printed
     c = PPOController(policy=out / "ppo_default.pt")
+    # The action set and the schedule travel in the metadata; the controller reads them from there.
+    assert c.meta.actions == (0.25, 0.5, 1.0, 2.0, 4.0) and c.policy.action_head.out_features == 5
+    assert (c.first_interval, c.interval) == (5, 15) and (c.meta.first_interval, c.meta.interval) == (5, 15)
+    assert "--actions 0.25,0.5,1,2,4 --interval 15 --first-interval 5" in c.meta.training["command"]
+    rows = json.loads((out / "evaluation.json").read_text())["rows"]
+    assert rows[0]["ppo_decisions"] >= 1 and rows[0]["greedy_ratio"] > 0
     assert c.meta.training["timesteps"] == 512 and c.meta.training["seed"] == 1
     assert "--reward-weights" in c.meta.training["command"] and "evaluation" in c.meta.training
     assert (out / "evaluation.json").is_file()
@@ -71,7 +79,9 @@ def test_batchpilot_rl_train_writes_a_policy_the_controller_loads(tmp_path, caps
 def test_batchpilot_rl_train_refuses_bad_options(capsys):
     from batchpilot.cli import main
 
-    for argv, text in ((["--timesteps", "0"], "--timesteps"), (["--reward-weights", "1,2"], "--reward-weights")):
+    for argv, text in ((["--timesteps", "0"], "--timesteps"), (["--reward-weights", "1,2"], "--reward-weights"),
+                       (["--actions", "2"], "--actions"), (["--actions", "0.5,-1"], "--actions"),
+                       (["--interval", "0"], "--interval"), (["--first-interval", "0"], "--first-interval")):
         with pytest.raises(SystemExit) as exc:
             main(["rl", "train", *argv])
         assert exc.value.code == 2 and text in capsys.readouterr().err

@@ -15,7 +15,7 @@ from gymnasium.utils.env_checker import check_env  # noqa: E402
 
 from batchpilot.controllers.ppo_features import FEATURES, features  # noqa: E402
 from batchpilot.sim.cluster import ClusterSpec  # noqa: E402
-from batchpilot.sim.env import ACTIONS, BatchSizeEnv, Case, held_out_cases, random_cluster  # noqa: E402
+from batchpilot.sim.env import ACTIONS, WIDE_ACTIONS, BatchSizeEnv, Case, held_out_cases, random_cluster  # noqa: E402
 
 TRACES = [make_trace(phi=(200.0, 20000.0), a=0.02, b=2e-4, target_progress=1e6),
           make_trace(phi=(50.0, 5000.0), a=0.05, b=1e-4, target_progress=5e5, base=32, workload="other")]
@@ -60,6 +60,22 @@ def test_actions_multiply_the_batch_and_the_bounds_clamp_it():
         env.step(3)
     with pytest.raises(RuntimeError, match="reset"):
         BatchSizeEnv(TRACES).step(1)
+
+
+def test_the_action_set_and_the_first_interval_are_the_environment_s():
+    assert WIDE_ACTIONS == (0.25, 0.5, 1.0, 2.0, 4.0)
+    env = BatchSizeEnv(TRACES, ["cpu"], randomise=False, min_size=32, max_size=4096,
+                       actions=(0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0), interval=20, first_interval=10)
+    env.reset(seed=0)
+    assert env.job.steps == 10 and env.action_space.n == 7
+    info = env.step(6)[4]  # x8
+    assert info["batch_size"] == 512 and env.job.steps == 30
+    assert env.step(0)[4]["batch_size"] == 64 and env.job.steps == 50
+    with pytest.raises(ValueError, match="index 0..6"):
+        env.step(7)
+    for bad in ({"actions": (2.0,)}, {"actions": (0.5, -1.0)}, {"first_interval": 0}):
+        with pytest.raises(ValueError, match="actions|first_interval"):
+            BatchSizeEnv(TRACES, **bad)
 
 
 def test_the_observation_is_the_feature_vector_of_the_simulated_observation():

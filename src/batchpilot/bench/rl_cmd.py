@@ -10,6 +10,7 @@ writes ``OUT/ppo_default.pt`` and ``OUT/ppo_default.json`` (the files the packag
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
@@ -25,6 +26,10 @@ REWARD_WEIGHTS = (0.0, 1.0, 0.0)
 """``(w_acc, w_time, w_util)`` of the shipped policy's training: the time term alone. Seed 000's (0.6, 0.3, 0.1)
 trained a policy 1.6x slower than the oracle against 1.2x: discounted per decision, the accuracy term pays for
 reaching the target in fewer *decisions*, i.e. larger batches, whatever the time (docs/ppo.md)."""
+ACTIONS = (0.25, 0.5, 1.0, 2.0, 4.0)
+"""The shipped policy's action factors (``batchpilot.sim.env.WIDE_ACTIONS``)."""
+INTERVAL, FIRST_INTERVAL = 10, 10
+"""The shipped policy's decision schedule: a decision every 10 steps (docs/ppo.md)."""
 
 
 def _say(enabled: bool, text: str) -> None:
@@ -45,13 +50,18 @@ def _jsonable(value: Any) -> Any:
 
 def train_and_save(timesteps: int, seed: int, out: str | Path, *, n_envs: int = 8, eval_episodes: int = 20,
                    threads: int = 1, reward_weights: tuple[float, float, float] = REWARD_WEIGHTS,
-                   progress: bool = True, **train_kw: Any) -> dict[str, Any]:
+                   actions: tuple[float, ...] = ACTIONS, interval: int = INTERVAL,
+                   first_interval: int | None = FIRST_INTERVAL, bisect: bool = True, progress: bool = True,
+                   **train_kw: Any) -> dict[str, Any]:
     """Train (:func:`batchpilot.rl.train.train_policy` with the environment's ``reward_weights``), evaluate on
     ``eval_episodes`` held-out simulated jobs (:func:`batchpilot.rl.evaluate.evaluate_policy`; 0: skip) and write
-    the files; return the evaluation (``{}`` when skipped)."""
+    the files; return the evaluation (``{}`` when skipped). ``actions``, ``interval`` and ``first_interval`` set the
+    environment's action set and decision schedule; they go in the policy's metadata, with ``bisect`` (the
+    controller damps the policy's reversals, :class:`~batchpilot.controllers.ppo.PPOController`), which the
+    evaluation uses too."""
     import torch
 
-    from ..controllers.ppo_policy import PolicyMeta, save_policy
+    from ..controllers.ppo_policy import save_policy
     from ..rl.evaluate import evaluate_policy, format_evaluation
     from ..rl.train import train_policy
 
@@ -59,14 +69,18 @@ def train_and_save(timesteps: int, seed: int, out: str | Path, *, n_envs: int = 
     out.mkdir(parents=True, exist_ok=True)
     say = (lambda text: _say(True, text)) if progress else None
     _say(progress, f"training PPO: {timesteps} decisions, seed {seed}, {n_envs} environments, {threads} thread(s)")
-    env_kwargs = {**train_kw.pop("env_kwargs", {}), "reward_weights": tuple(reward_weights)}
+    env_kwargs = {**train_kw.pop("env_kwargs", {}), "reward_weights": tuple(reward_weights),
+                  "actions": tuple(actions), "interval": interval, "first_interval": first_interval}
     result = train_policy(timesteps, seed, n_envs, threads=threads, progress=say, env_kwargs=env_kwargs, **train_kw)
     _say(progress, f"trained in {result.seconds:.0f} s")
     evaluation: dict[str, Any] = {}
     training = dict(result.meta.training)
+    trained = dataclasses.replace(result.meta, bisect=bisect)
     weights = ",".join(f"{w:g}" for w in reward_weights)
     training.update(command=f"batchpilot rl train --timesteps {timesteps} --seed {seed} --n-envs {n_envs} "
-                    f"--threads {threads} --eval-episodes {eval_episodes} --reward-weights {weights}",
+                    f"--threads {threads} --eval-episodes {eval_episodes} --reward-weights {weights} "
+                    f"--actions {','.join(f'{a:g}' for a in actions)} --interval {interval} --first-interval "
+                    f"{interval if first_interval is None else first_interval}" + ("" if bisect else " --no-bisect"),
                     machine=f"{platform.machine()} {platform.system()}, torch {torch.__version__}",
                     date=time.strftime("%Y-%m-%d", time.gmtime()))
     if eval_episodes > 0:
@@ -74,14 +88,13 @@ def train_and_save(timesteps: int, seed: int, out: str | Path, *, n_envs: int = 
         previous = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            evaluation = evaluate_policy((result.policy, result.meta), n=eval_episodes, progress=say)
+            evaluation = evaluate_policy((result.policy, trained), n=eval_episodes, progress=say)
         finally:
             torch.set_num_threads(previous)
         training["evaluation"] = _jsonable(evaluation["summary"])
         (out / "evaluation.json").write_text(json.dumps(_jsonable(evaluation), indent=1) + "\n", encoding="utf-8")
         print(format_evaluation(evaluation))
-    meta = PolicyMeta(result.meta.features, result.meta.feature_low, result.meta.feature_high, result.meta.actions,
-                      result.meta.hidden, result.meta.activation, training)
+    meta = dataclasses.replace(trained, training=training)
     path = save_policy(result.policy, meta, out / POLICY_NAME)
     print(f"policy: {path} (metadata {path.with_suffix('.json')})")
     return evaluation
@@ -108,6 +121,13 @@ def add_rl_parser(sub: Any) -> None:
     default = ",".join(f"{w:g}" for w in REWARD_WEIGHTS)
     p.add_argument("--reward-weights", default=default,
                    help=f"w_acc,w_time,w_util of the environment's reward (docs/simulator.md). Default: {default}.")
+    acts = ",".join(f"{a:g}" for a in ACTIONS)
+    p.add_argument("--actions", default=acts, help=f"the factors the actions multiply the batch by. Default: {acts}.")
+    p.add_argument("--interval", type=int, default=INTERVAL, help=f"steps between decisions. Default: {INTERVAL}.")
+    p.add_argument("--first-interval", type=int, default=FIRST_INTERVAL,
+                   help=f"steps before the first decision. Default: {FIRST_INTERVAL}.")
+    p.add_argument("--no-bisect", dest="bisect", action="store_false",
+                   help="do not damp the policy's reversals (PPOController's bisect, recorded in the metadata).")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="print only the results.")
     p.set_defaults(run=_run, subparser=p)
 
@@ -115,7 +135,8 @@ def add_rl_parser(sub: Any) -> None:
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for name, value, low in (("--timesteps", args.timesteps, 1), ("--n-envs", args.n_envs, 1),
                              ("--eval-episodes", args.eval_episodes, 0), ("--threads", args.threads, 1),
-                             ("--seed", args.seed, 0)):
+                             ("--seed", args.seed, 0), ("--interval", args.interval, 1),
+                             ("--first-interval", args.first_interval, 1)):
         if value < low:
             parser.error(f"{name} must be a whole number >= {low}, got {value}.")
     try:
@@ -126,8 +147,15 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--reward-weights {args.reward_weights!r} must be three numbers w_acc,w_time,w_util, e.g. "
                      "0.6,0.3,0.1.")
     try:
+        actions = tuple(float(a) for a in args.actions.split(","))
+    except ValueError:
+        actions = ()
+    if len(actions) < 2 or not all(math.isfinite(a) and a > 0 for a in actions):
+        parser.error(f"--actions {args.actions!r} must be two or more positive factors, e.g. 0.5,1,2.")
+    try:
         train_and_save(args.timesteps, args.seed, args.out, n_envs=args.n_envs, eval_episodes=args.eval_episodes,
-                       threads=args.threads, reward_weights=weights, progress=args.progress)
+                       threads=args.threads, reward_weights=weights, actions=actions, interval=args.interval,
+                       first_interval=args.first_interval, bisect=args.bisect, progress=args.progress)
     except ImportError as exc:
         parser.exit(2, f"batchpilot rl train: error: {exc}\n")
     except (ValueError, FileNotFoundError) as exc:

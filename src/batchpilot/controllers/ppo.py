@@ -1,4 +1,5 @@
-"""Seed 000's PPO policy as a controller: a pretrained torch MLP picks x0.5 / x1 / x2 every ``interval`` steps.
+"""Seed 000's PPO policy as a controller: a pretrained torch MLP multiplies the batch by one of its actions' factors
+at the decision steps its metadata sets (the shipped policy: x1/4 ... x4 every 10 steps, its reversals damped).
 
 The policy was trained offline in the trace-driven simulator (:mod:`batchpilot.rl`, docs/ppo.md) and ships with
 the package; running it needs torch only. It reads the same state vector the simulator gave it in training
@@ -9,6 +10,7 @@ vector lies outside what it saw in training.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,14 +26,19 @@ from .ppo_features import FEATURES, features
 from .ppo_policy import PolicyMeta, PolicyMLP, load_policy, weights_digest
 from .ppo_refine import gae, ppo_update, refinement_reward
 
-__all__ = ["PPOController"]
+__all__ = ["MIN_STEP", "PPOController"]
+
+MIN_STEP = 1 / 16
+"""The smallest step on ``log2 B`` the damping of reversals goes down to (x1.04)."""
 
 
 class PPOController:
     """Choose the global batch size with the shipped PPO policy (seed 000, DYNAMIX arXiv 2510.08522; PPO:
     Schulman et al. 2017), falling back to Goodput (Pollux) out of the training distribution.
 
-    At the first call of each new period of ``interval`` steps it computes the feature vector, and:
+    Its decision steps are ``first_interval``, then every ``interval`` steps after it (both from the policy's
+    metadata unless given: the schedule it was trained on). At the first call of each new period it computes the
+    feature vector, and:
 
     * **out of distribution** -- some feature lies outside its training range ``[low, high]`` (from the policy's
       metadata) widened by ``ood_margin`` x the range's width plus 0.05 on each side (so a flag that was always
@@ -53,13 +60,20 @@ class PPOController:
         min_size, max_size: Bounds of every decision.
         policy: ``None`` (the shipped policy), the path of a ``.pt`` written by ``batchpilot rl train``, or a
             ``(PolicyMLP, PolicyMeta)`` pair.
-        interval: Steps between decisions (the policy was trained at its metadata's interval; 50 by default).
+        interval: Steps between decisions (``None``: the policy's metadata's, the schedule it was trained on).
+        first_interval: Steps before the first decision (``None``: the metadata's when ``interval`` is ``None``,
+            else ``interval``).
         fallback: The controller used out of distribution (default: Goodput over the same bounds).
         refine: Refine the policy online (see above).
         refine_lr: Adam's learning rate of the refinement (small: 1e-5).
         refine_every: Transitions per refinement update (>= 2).
         ood_margin: Relative widening of each training range before a feature counts as out of distribution.
         seed: Seed of the action draws when refining.
+        bisect: Damp reversals (``None``: the metadata's ``bisect``; the first shipped policy had none), by Rprop's
+            step-size rule (Riedmiller & Braun 1993) on ``log2 B``: each change is capped at a step ``s`` (at first
+            the largest action's), halved when the policy reverses its direction and grown by 1.2x (up to the
+            largest action's) when it keeps it, never below ``MIN_STEP``. A policy that alternates between two
+            sizes around the best one (as a policy trained where a change of size is free may) closes in on it.
 
     Attributes:
         reason: Why the last call decided what it did (the engine logs it).
@@ -85,16 +99,17 @@ class PPOController:
         max_size: int = 4096,
         *,
         policy: str | Path | tuple[PolicyMLP, PolicyMeta] | None = None,
-        interval: int = 50,
+        interval: int | None = None,
+        first_interval: int | None = None,
         fallback: Controller | None = None,
         refine: bool = False,
         refine_lr: float = 1e-5,
         refine_every: int = 16,
         ood_margin: float = 0.25,
         seed: int = 0,
+        bisect: bool | None = None,
     ) -> None:
         self.min_size, self.max_size = check_size_bounds(min_size, max_size)
-        self.interval = check_interval(interval)
         self.refine = check_bool(refine, "refine")
         self.refine_lr = check_real(refine_lr, "refine_lr", low=0.0, hint=" A small Adam LR such as 1e-5.")
         self.refine_every = check_interval(refine_every, "refine_every")
@@ -121,6 +136,13 @@ class PPOController:
         if tuple(self.meta.features) != FEATURES:
             raise ValueError(f"the policy was trained on features {list(self.meta.features)}, this batchpilot computes "
                              f"{list(FEATURES)}; retrain it with `batchpilot rl train` (docs/ppo.md).")
+        if interval is None:
+            first, every = self.meta.schedule
+        else:
+            first, every = interval, interval
+        self.interval = check_interval(every)
+        self.first_interval = check_interval(first if first_interval is None else first_interval, "first_interval")
+        self.bisect = bool(self.meta.bisect) if bisect is None else check_bool(bisect, "bisect")
         self.fallback: Any = Goodput(self.min_size, self.max_size, interval=1) if fallback is None else fallback
         for method in ("decide", "state_dict", "load_state_dict"):
             if not callable(getattr(self.fallback, method, None)):
@@ -143,6 +165,8 @@ class PPOController:
 
     def _reset_counters(self) -> None:
         self._period = 0
+        self._step = self._max_step  # Rprop's step on log2 B
+        self._direction = 0  # sign of the policy's last change of size
         self._b0: int | None = None
         self.fallbacks = self.policy_decisions = self.updates = 0
 
@@ -162,9 +186,9 @@ class PPOController:
         size = obs.batch_size
         if self._b0 is None:
             self._b0 = clamp(size, self.min_size, self.max_size)
-        period = obs.step // self.interval
+        period = self.period(obs.step)
         if period <= self._period:
-            self.reason = f"next decision at step {(self._period + 1) * self.interval}; kept {size}"
+            self.reason = f"next decision at step {self.first_interval + self._period * self.interval}; kept {size}"
             return size
         self._period = period
         x = features(obs, self.min_size, self.max_size)
@@ -187,11 +211,36 @@ class PPOController:
         else:
             action = int(logits[0].argmax())
         factor = self.meta.actions[action]
-        decided = clamp(round_half_up(clamp(size, self.min_size, self.max_size) * factor), self.min_size, self.max_size)
+        base = clamp(size, self.min_size, self.max_size)
+        decided = clamp(round_half_up(base * factor), self.min_size, self.max_size)
+        damped = ""
+        if self.bisect and decided != base:
+            decided, damped = self._damp(base, decided)
         self.policy_decisions += 1
         probs = ", ".join(f"x{fmt(a)}:{p:.2f}" for a, p in zip(self.meta.actions, torch.softmax(logits[0], -1).tolist()))
-        self.reason = f"step {obs.step}: policy chose x{fmt(factor)} ({probs}) -> {decided}"
+        self.reason = f"step {obs.step}: policy chose x{fmt(factor)} ({probs}) -> {decided}{damped}"
         return decided
+
+    def _damp(self, base: int, proposed: int) -> tuple[int, str]:
+        """Rprop's step rule on ``log2 B`` (see ``bisect``): the size to use instead of ``proposed`` and a note."""
+        move = math.log2(proposed / base)
+        direction = 1 if move > 0 else -1
+        if self._direction:
+            grow = 1.2 if direction == self._direction else 0.5
+            self._step = min(max(self._step * grow, MIN_STEP), self._max_step)
+        self._direction = direction
+        if abs(move) <= self._step:
+            return proposed, ""
+        decided = clamp(round_half_up(base * 2 ** (direction * self._step)), self.min_size, self.max_size)
+        return decided, f" (damped from {proposed}: step x{2 ** self._step:.2f})"
+
+    @property
+    def _max_step(self) -> float:
+        return max(abs(math.log2(a)) for a in self.meta.actions)
+
+    def period(self, step: int) -> int:
+        """How many decision steps (``first_interval``, then every ``interval``) ``step`` has reached."""
+        return 0 if step < self.first_interval else 1 + (step - self.first_interval) // self.interval
 
     @property
     def fallback_name(self) -> str:
@@ -223,6 +272,7 @@ class PPOController:
             "name": self.name, "period": self._period, "b0": self._b0, "policy_digest": self._digest,
             "refine": self.refine, "fallback": self.fallback.state_dict(),
             "counts": [self.fallbacks, self.policy_decisions, self.updates],
+            "damping": [self._step, self._direction],
         }
         if self.refine:
             assert self._optimizer is not None
@@ -247,6 +297,8 @@ class PPOController:
         self._period = int(state["period"])
         self._b0 = None if state["b0"] is None else int(state["b0"])
         self.fallbacks, self.policy_decisions, self.updates = (int(c) for c in state["counts"])
+        self._step, self._direction = (float(state["damping"][0]), int(state["damping"][1])) \
+            if "damping" in state else (self._max_step, 0)
         self.fallback.load_state_dict(state["fallback"])
         if self.refine:
             assert self._optimizer is not None
@@ -261,7 +313,7 @@ class PPOController:
 
     def __repr__(self) -> str:
         return (f"PPOController(min_size={self.min_size}, max_size={self.max_size}, policy={self.policy_source!r}, "
-                f"interval={self.interval}, refine={self.refine})")
+                f"interval={self.interval}, first_interval={self.first_interval}, bisect={self.bisect}, refine={self.refine})")
 
 
 def _obs_state(obs: Observation) -> dict[str, Any]:

@@ -41,6 +41,11 @@ class PolicyMeta:
         hidden: Widths of the hidden layers (the same for the policy and the value network).
         activation: ``"tanh"`` (SB3's default) or ``"relu"``.
         training: How it was trained (settings, time, evaluation); free-form, JSON-able.
+        interval: Steps between two decisions in training (the controller's default).
+        first_interval: Steps before the first decision (``None``: ``interval``). A policy file without these two
+            fields (the first shipped policy) decided every 50 steps.
+        bisect: The controller damps the policy's reversals by default (``PPOController(bisect=...)``); ``False``
+            for files without the field.
     """
 
     features: tuple[str, ...]
@@ -50,6 +55,9 @@ class PolicyMeta:
     hidden: tuple[int, ...] = (64, 64)
     activation: str = "tanh"
     training: Mapping[str, Any] = field(default_factory=dict)
+    interval: int = 50
+    first_interval: int | None = None
+    bisect: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.features)
@@ -61,8 +69,17 @@ class PolicyMeta:
             raise ValueError("policy metadata: every feature range must be finite with low <= high.")
         if len(self.actions) < 2 or any(not (math.isfinite(a) and a > 0) for a in self.actions):
             raise ValueError(f"policy metadata: actions {self.actions!r} must be >= 2 positive factors, e.g. (0.5, 1, 2).")
+        for name, value in (("interval", self.interval), ("first_interval", self.first_interval)):
+            if not (value is None and name == "first_interval") and (isinstance(value, bool) or not isinstance(
+                    value, int) or value < 1):
+                raise ValueError(f"policy metadata: {name} must be a whole number of steps >= 1, got {value!r}.")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"policy metadata: activation {self.activation!r} is not one of {sorted(ACTIVATIONS)}.")
+
+    @property
+    def schedule(self) -> tuple[int, int]:
+        """``(first_interval, interval)``: the steps before the first decision and between two decisions."""
+        return (self.interval if self.first_interval is None else self.first_interval), self.interval
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able form (what the ``.json`` file holds, with a format tag)."""
@@ -86,7 +103,9 @@ class PolicyMeta:
                        feature_high=tuple(float(v) for v in data["feature_high"]),
                        actions=tuple(float(a) for a in data["actions"]),
                        hidden=tuple(int(h) for h in data["hidden"]), activation=str(data["activation"]),
-                       training=dict(data.get("training", {})))
+                       training=dict(data.get("training", {})), interval=int(data.get("interval", 50)),
+                       first_interval=None if data.get("first_interval") is None else int(data["first_interval"]),
+                       bisect=bool(data.get("bisect", False)))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"policy metadata is missing or mangles a field ({type(exc).__name__}: {exc}).") from None
 

@@ -10,6 +10,7 @@ the package ships (docs/ppo.md).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -152,7 +153,8 @@ def train_policy(
         net_arch: Hidden widths of the policy and value networks (tanh).
         threads: ``torch.set_num_threads`` while training (restored after).
         progress: Called with a line of text about every 10% of training.
-        env_kwargs: Passed to every ``BatchSizeEnv`` (``interval``, ``min_size``, ``max_size``, ...).
+        env_kwargs: Passed to every ``BatchSizeEnv`` (``actions``, ``interval``, ``first_interval``, ``min_size``,
+            ``max_size``, ...); the actions and the two intervals go in the policy's metadata.
 
     Raises:
         ImportError: stable-baselines3 or gymnasium is missing.
@@ -172,7 +174,8 @@ def train_policy(
         from ..sim.trace import shipped_traces
 
         env_fns = make_env_fns(n_envs, seed, **(env_kwargs or {}))
-        feature_names, actions = feature_names or FEATURES, actions or ACTIONS
+        feature_names = feature_names or FEATURES
+        actions = actions or tuple((env_kwargs or {}).get("actions", ACTIONS))
         trained_on = f"BatchSizeEnv(randomise=True) over the shipped traces {shipped_traces()} and random clusters"
     else:
         trained_on = "the given env_fns"
@@ -201,9 +204,13 @@ def train_policy(
         "learning_rate": f"cosine {learning_rate:g} -> 0", "n_steps": n_steps, "batch_size": batch_size,
         "n_epochs": n_epochs, "gamma": gamma, "gae_lambda": gae_lambda, "ent_coef": ent_coef,
         "net_arch": list(net_arch), "threads": threads, "seconds": round(seconds, 1),
-        "env_kwargs": {k: v for k, v in (env_kwargs or {}).items() if isinstance(v, (int, float, str, bool, tuple))},
+        "env_kwargs": {k: list(v) if isinstance(v, tuple) else v for k, v in (env_kwargs or {}).items()
+                       if isinstance(v, (int, float, str, bool, tuple))},
         "final_mean_episode_reward": float(np.mean(rewards)) if rewards else None,
     }
     policy, meta = export_policy(model, features=tuple(feature_names), feature_low=watch.low.tolist(),
                                  feature_high=watch.high.tolist(), actions=tuple(actions), training=training)
+    interval = int((env_kwargs or {}).get("interval", 50))  # the schedule the policy was trained on
+    first = (env_kwargs or {}).get("first_interval")
+    meta = dataclasses.replace(meta, interval=interval, first_interval=None if first is None else int(first))
     return TrainResult(policy, meta, seconds, timesteps, rewards, model)

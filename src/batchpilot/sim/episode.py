@@ -299,16 +299,19 @@ def run_policy(
     observation_noise: float = 0.0,
     observe_system: bool = True,
     name: str | None = None,
+    first_interval: int | None = None,
 ) -> SimResult:
-    """Run one simulated job with ``decide`` (a controller, or a callable ``Observation -> size``) asked after every
-    ``interval`` steps, until the target or ``time_limit_s`` simulated seconds (default
-    :meth:`SimJob.default_time_limit`). ``seed`` seeds the cluster (load phase, failures) and the observation noise.
+    """Run one simulated job with ``decide`` (a controller, or a callable ``Observation -> size``) asked after the
+    first ``first_interval`` steps (default ``interval``) and then after every ``interval`` steps, until the target or
+    ``time_limit_s`` simulated seconds (default :meth:`SimJob.default_time_limit`). ``seed`` seeds the cluster (load
+    phase, failures) and the observation noise.
     """
     job = make_job(trace, spec, start_size=start_size, min_size=min_size, max_size=max_size, seed=seed,
                    observation_noise=observation_noise, observe_system=observe_system)
     call = getattr(decide, "decide", decide)
     label = name or getattr(decide, "name", None) or getattr(decide, "__name__", None) or type(decide).__name__
-    return drive(job, lambda j: call(j.observe()), interval=interval, time_limit_s=time_limit_s, name=str(label))
+    return drive(job, lambda j: call(j.observe()), interval=interval, time_limit_s=time_limit_s, name=str(label),
+                 first_interval=first_interval)
 
 
 def make_job(trace: Trace, spec: ClusterSpec | str, *, start_size: int, min_size: int = 32, max_size: int = 4096,
@@ -324,18 +327,23 @@ def make_job(trace: Trace, spec: ClusterSpec | str, *, start_size: int, min_size
 
 
 def drive(job: SimJob, choose: Callable[[SimJob], Any], *, interval: int = 50, time_limit_s: float | None = None,
-          name: str = "policy", first: bool = False) -> SimResult:
-    """Run ``job`` to its end: ``interval`` steps, then ``job.set_batch_size(choose(job))``, and again.
+          name: str = "policy", first: bool = False, first_interval: int | None = None) -> SimResult:
+    """Run ``job`` to its end: ``first_interval`` steps (default ``interval``), then
+    ``job.set_batch_size(choose(job))``, then ``interval`` steps and a decision, and again.
 
     ``first=True`` asks ``choose`` before the first step too (the oracle's privilege: real controllers see the first
-    observation after ``interval`` steps)."""
-    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-        raise ValueError(f"interval must be a whole number of steps >= 1, got {interval!r}.")
+    observation after some steps)."""
+    first_interval = interval if first_interval is None else first_interval
+    for label, value in (("interval", interval), ("first_interval", first_interval)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{label} must be a whole number of steps >= 1, got {value!r}.")
     limit = job.default_time_limit() if time_limit_s is None else float(time_limit_s)
     if first and not job.done:
         job.set_batch_size(choose(job), source=name)
+    steps = first_interval
     while not job.done and job.time_s < limit:
-        job.run(interval)
+        job.run(steps)
+        steps = interval
         if not job.done:
             job.set_batch_size(choose(job), source=name)
     return SimResult(policy=name, time_to_target_s=job.time_to_target_s, reached=job.done, steps=job.steps,
