@@ -348,6 +348,6 @@ def run_benchmark(
         params = sum(p.numel() for p in wl.build_model(seeds[0]).parameters())
         add_cluster_clock(results, clock, MeasuredDevice.from_calibration(cal, 4 * params, hi))
     write_json(out / "results.json", results)  # also when a resumed bench had nothing left to train
-    return results
+    return _finite(results)  # what results.json holds: a target never reached is None, never inf
 
 
