@@ -25,10 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from ..sim.cluster import Cluster, ClusterSpec
-from ..sim.trace import fit_compute
+from ..sim.trace import fit_compute, step_seconds
 from .calibrate import Calibration
 
 __all__ = ["CLOCK_HELP", "MeasuredDevice", "add_cluster_clock", "parse_clock", "run_cluster_seconds"]
@@ -60,15 +58,8 @@ class MeasuredDevice:
         return cls(sizes, seconds, fit_compute(sizes, seconds), int(max_micro_batch_size), int(grad_bytes))
 
     def compute_seconds(self, micro_batch: float) -> float:
-        """Seconds of one step of ``micro_batch`` samples: the table interpolated, extended with the fit's slope."""
-        s, t = self.step_sizes, self.step_seconds
-        m = float(micro_batch)
-        if m <= s[0]:
-            return max(t[0] - self.compute[1] * (s[0] - m), t[0] * m / s[0])
-        if m >= s[-1]:
-            slope = self.compute[1] if len(s) == 1 else max(self.compute[1], (t[-1] - t[-2]) / (s[-1] - s[-2]))
-            return t[-1] + slope * (m - s[-1])
-        return float(np.interp(m, s, t))
+        """Seconds of one step of ``micro_batch`` samples, read from the table as a trace reads its own."""
+        return step_seconds(self.step_sizes, self.step_seconds, self.compute[1], micro_batch)
 
 
 def parse_clock(text: str) -> ClusterSpec:

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["crossing", "filled", "fit_compute", "fit_noise_scale_factor", "number", "samples_to_progress", "smoothed",
+__all__ = ["crossing", "filled", "fit_compute", "step_seconds", "fit_noise_scale_factor", "number", "samples_to_progress", "smoothed",
            "thin"]
 
 
@@ -28,6 +28,19 @@ def fit_compute(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float
     if b < 0:
         a, b = float((w * w * y).sum() / (w * w).sum()), 0.0
     return float(a), float(b)
+
+
+def step_seconds(sizes: Sequence[int], seconds: Sequence[float], slope: float, micro_batch: float) -> float:
+    """Seconds of a step of ``micro_batch`` samples from a step-time table (``sizes`` ascending): linear between the
+    sizes, extended outside with ``slope`` (the fit's ``b``; above the table, at least the last segment's slope),
+    never below ``t0 * m / s0`` beneath it."""
+    s, t, m = sizes, seconds, float(micro_batch)
+    if m <= s[0]:
+        return max(t[0] - slope * (s[0] - m), t[0] * m / s[0])
+    if m >= s[-1]:
+        last = slope if len(s) == 1 else max(slope, (t[-1] - t[-2]) / (s[-1] - s[-2]))
+        return t[-1] + last * (m - s[-1])
+    return float(np.interp(m, s, t))
 
 
 def number(value: Any) -> float | None:

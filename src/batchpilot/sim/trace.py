@@ -27,10 +27,20 @@ from typing import Any
 
 import numpy as np
 
-from ._interp import crossing, filled, fit_compute, fit_noise_scale_factor, number, samples_to_progress, smoothed, thin
+from ._interp import (
+    crossing,
+    filled,
+    fit_compute,
+    fit_noise_scale_factor,
+    number,
+    samples_to_progress,
+    smoothed,
+    step_seconds,
+    thin,
+)
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "Trace", "crossing", "fit_compute", "fit_noise_scale_factor", "load_trace",
-           "record_trace", "samples_to_progress", "shipped_traces", "smoothed"]
+           "record_trace", "samples_to_progress", "shipped_traces", "smoothed", "step_seconds"]
 
 FORMAT = "batchpilot-trace"
 FORMAT_VERSION = 1
@@ -194,14 +204,7 @@ class Trace:
     def compute_seconds(self, micro_batch: float) -> float:
         """Seconds of one step of ``micro_batch`` samples on the recording device: the step-time table interpolated
         linearly, extended outside it with the slope ``b`` of :attr:`compute` (never below ``t0 * m / s0``)."""
-        s, t = self.step_sizes, self.step_seconds
-        m = float(micro_batch)
-        if m <= s[0]:
-            return max(t[0] - self.compute[1] * (s[0] - m), t[0] * m / s[0])
-        if m >= s[-1]:
-            slope = self.compute[1] if len(s) == 1 else max(self.compute[1], (t[-1] - t[-2]) / (s[-1] - s[-2]))
-            return t[-1] + slope * (m - s[-1])
-        return float(np.interp(m, s, t))
+        return step_seconds(self.step_sizes, self.step_seconds, self.compute[1], micro_batch)
 
     def perturbed(self, rng: np.random.Generator, scale: float = 0.3) -> Trace:
         """A randomised copy for training a policy: four independent log-normal factors ``exp(scale * N(0, 1))``
