@@ -29,12 +29,12 @@ from typing import Any
 
 from batchpilot import controllers as c
 from batchpilot.bench.calibrate import Calibration
+from batchpilot.bench.train import probe_steps
 from batchpilot.sim.episode import SimResult, drive, make_job
 from batchpilot.sim.oracle import run_controller
 from batchpilot.sim.trace import Trace, fit_compute, load_trace
 
 TRUSTED = 0.20
-PROBE_STEPS_PER_SIZE = 6  # Auto's warmup_steps + timed_steps
 
 
 def device_trace(trace: Trace, calibration: Calibration) -> Trace:
@@ -62,9 +62,8 @@ def simulated(policy: str, run: dict[str, Any], trace: Trace, lo: int, hi: int) 
         knee = int(probe["start_size"])
         result = run_controller(c.Goodput(knee, hi), trace, "cpu", start_size=knee, min_size=knee, max_size=hi,
                                 seed=seed)
-        sweep = sum(PROBE_STEPS_PER_SIZE * trace.compute_seconds(int(s)) for s, _ in probe["throughput"])
-        rest = max(int(probe["steps"]) - PROBE_STEPS_PER_SIZE * len(probe["throughput"]), 0)
-        return result.time_to_target_s + sweep + rest * trace.compute_seconds(knee) if result.reached else None
+        probes = sum(count * trace.compute_seconds(size) for size, count in probe_steps(probe))
+        return result.time_to_target_s + probes if result.reached else None
     else:
         return None
     return result.time_to_target_s if result.reached else None

@@ -28,12 +28,12 @@ from typing import Any
 from ..sim.cluster import Cluster, ClusterSpec
 from ..sim.trace import fit_compute, step_seconds
 from .calibrate import Calibration
+from .train import probe_steps
 
 __all__ = ["CLOCK_HELP", "MeasuredDevice", "add_cluster_clock", "parse_clock", "run_cluster_seconds"]
 
 CLOCK_HELP = ("cluster:SPEC adds the time to target the same runs would take on a simulated cluster (SPEC as in "
               "docs/simulator.md, e.g. cluster:gpus=16,speedup=20): simulated, reported beside wall time")
-AUTO_PROBE_STEPS = 6  # Auto's warmup_steps + timed_steps (its defaults; the bench runs Auto with its defaults)
 
 
 @dataclass(frozen=True)
@@ -88,18 +88,10 @@ def run_cluster_seconds(run: Mapping[str, Any], spec: ClusterSpec, device: Measu
     if steps is None:
         return None
     cluster = Cluster(spec, device, seed=seed)
-
-    def spend(size: int, count: int) -> None:
+    probe = run.get("probe")
+    for size, count in (probe_steps(probe) if probe else []) + _steps_by_size(run, int(steps)):
         for _ in range(count):
             cluster.advance(cluster.step_time(size).seconds)
-
-    probe = run.get("probe")
-    if probe:
-        for size, _ in probe["throughput"]:
-            spend(int(size), AUTO_PROBE_STEPS)
-        spend(int(probe["start_size"]), max(int(probe["steps"]) - AUTO_PROBE_STEPS * len(probe["throughput"]), 0))
-    for size, count in _steps_by_size(run, int(steps)):
-        spend(size, count)
     return cluster.time_s
 
 

@@ -11,18 +11,20 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import TensorDataset
 
+from ..controllers.auto import Auto
 from .calibrate import Calibration
 from .specs import RunSpec
 from .workloads import Workload
 
-__all__ = ["MAX_SKIPPED_STEPS", "STALL_EPOCHS", "STALL_GAIN", "evaluate", "reaches_target", "train_one"]
+__all__ = ["AUTO_STEPS_PER_SIZE", "MAX_SKIPPED_STEPS", "STALL_EPOCHS", "STALL_GAIN", "evaluate", "probe_steps", "reaches_target",
+           "train_one"]
 
 MAX_SKIPPED_STEPS = 5
 STALL_EPOCHS = 5.0
@@ -159,13 +161,23 @@ class _Run:
         self.excluded += time.perf_counter() - now  # bookkeeping and evaluation are not training
 
 
+AUTO_STEPS_PER_SIZE = Auto().warmup_steps + Auto().timed_steps
+"""Steps the throughput sweep runs at each size with ``Auto``'s defaults (the bench's ``auto`` policy)."""
+
+
+def probe_steps(probe: Mapping[str, Any], per_size: int = AUTO_STEPS_PER_SIZE) -> list[tuple[int, int]]:
+    """``[(batch size, steps), ...]`` of auto's start probes from their record (``ProbeResult.to_dict()``, as in
+    results.json): ``per_size`` steps at each size the throughput sweep timed, the rest of the probe steps (the LR
+    range test) at the knee."""
+    sizes = [int(size) for size, _ in probe["throughput"]]
+    rest = max(int(probe["steps"]) - per_size * len(sizes), 0)
+    return [(size, per_size) for size in sizes] + [(int(probe["start_size"]), rest)]
+
+
 def probe_cost(probe: Any, auto: Any, calibration: Calibration) -> float:
-    """Cost-model seconds of auto's start probes: ``warmup_steps + timed_steps`` steps at each size the throughput
-    sweep timed, and the rest of ``probe.steps`` (the LR range test) at the knee."""
-    per_size = auto.warmup_steps + auto.timed_steps
-    sweep = sum(per_size * calibration.step_time(size) for size, _ in probe.throughput)
-    rest = max(probe.steps - per_size * len(probe.throughput), 0)
-    return sweep + rest * calibration.step_time(probe.start_size)
+    """Cost-model seconds of auto's start probes (:func:`probe_steps` with ``auto``'s ``warmup_steps + timed_steps``)."""
+    steps = probe_steps(probe.to_dict(), auto.warmup_steps + auto.timed_steps)
+    return sum(count * calibration.step_time(size) for size, count in steps)
 
 
 def _short(value: Any) -> Any:
