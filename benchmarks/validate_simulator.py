@@ -30,8 +30,7 @@ from typing import Any
 from batchpilot import controllers as c
 from batchpilot.bench.calibrate import Calibration
 from batchpilot.bench.train import probe_steps
-from batchpilot.sim.episode import SimResult, drive, make_job
-from batchpilot.sim.oracle import run_controller
+from batchpilot.sim.oracle import best_static, run_controller
 from batchpilot.sim.trace import Trace, fit_compute, load_trace
 
 TRUSTED = 0.20
@@ -43,17 +42,12 @@ def device_trace(trace: Trace, calibration: Calibration) -> Trace:
     return replace(trace, step_sizes=sizes, step_seconds=seconds, compute=fit_compute(sizes, seconds))
 
 
-def _static(trace: Trace, size: int, seed: int, lo: int, hi: int) -> SimResult:
-    job = make_job(trace, "cpu", start_size=size, min_size=lo, max_size=hi, seed=seed)
-    return drive(job, lambda j: size, name=f"static:{size}")
-
-
 def simulated(policy: str, run: dict[str, Any], trace: Trace, lo: int, hi: int) -> float | None:
     """Simulated seconds to target of ``run``'s policy on one device (``None`` where the simulator has no model)."""
     seed = int(run["seed"])
     kind = policy.split(":")[0]
     if kind == "static" and "@" not in policy:
-        result = _static(trace, int(policy.split(":")[1]), seed, lo, hi)
+        _, result = best_static(trace, "cpu", [int(policy.split(":")[1])], min_size=lo, max_size=hi, seed=seed)
     elif policy in ("goodput", "noise-scale", "ppo"):
         make = {"goodput": c.Goodput, "noise-scale": c.NoiseScale, "ppo": _ppo}[policy]
         result = run_controller(make(lo, hi), trace, "cpu", start_size=lo, min_size=lo, max_size=hi, seed=seed)
