@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from typing_extensions import TypedDict
 
 from .._validation import (
     check_batch_size,
@@ -149,6 +148,9 @@ class CheckpointConfig:
     """Save every N steps (needs ``checkpoint_dir``)."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep in ``checkpoint_dir``."""
+    save_on_sigterm: bool = False
+    """On SIGTERM every rank agrees to save a checkpoint in ``checkpoint_dir`` at the end of the current step, and
+    training stops there (a planned scale-down or preemption loses nothing; docs/distributed.md)."""
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,12 @@ class DistributedConfig:
     """This process's rank (``None``: what torch.distributed reports; for tests)."""
     world_size: int | None = None
     """Processes that share each global batch (``None``: the process group's size; 1: this rank on its own)."""
+    rank_weights: str | Sequence[float] | None = None
+    """Each rank's share of the global batch, proportional to its weight (``None``: even shares; ``"auto"``:
+    from each rank's measured speed, agreed through rank 0; a list: one weight per rank; docs/distributed.md)."""
+    compression: str | Callable[..., Any] | None = None
+    """Gradient compression of a DDP model (``None``: full precision; ``"1bit"``, ``"auto"`` or a DDP comm hook;
+    docs/distributed.md)."""
 
 
 GROUPS: dict[str, type] = {
@@ -182,58 +190,6 @@ GROUPS: dict[str, type] = {
 }
 GROUP_OF = {f.name: group for group, cls in GROUPS.items() for f in fields(cls)}
 """Each flat setting's group, by name."""
-
-
-class PilotSettings(TypedDict, total=False):
-    """``Pilot(...)``'s keywords after ``batch_size`` and ``controller``: the groups, or any field of a group as
-    its own keyword."""
-
-    decisions: DecisionConfig
-    lr: LRConfig
-    data: DataConfig
-    memory: MemoryConfig
-    precision: PrecisionConfig
-    logs: LoggingConfig
-    checkpoints: CheckpointConfig
-    stats: StatsConfig
-    distributed: DistributedConfig
-    decide_every: int
-    min_batch_size: int | None
-    max_batch_size: int | None
-    on_invalid: str
-    loss_history: int
-    rollback: bool | None
-    rollback_window: int
-    rollback_spike: float
-    rollback_cooldown: int
-    lr_rule: str | Callable[[float], float] | None
-    base_batch_size: int | None
-    lr_knee: int
-    lr_schedulers: Sequence[Any]
-    shuffle: bool
-    seed: int
-    drop_last: bool
-    num_workers: int
-    collate_fn: Callable[[list[Any]], Any] | None
-    pin_memory: bool
-    prefetch_factor: int | None
-    max_micro_batch_size: int | None
-    oom_recovery: bool
-    loss_reduction: str
-    amp: str | None
-    grad_clip: float | str | None
-    skip_nonfinite: bool
-    log_path: str | os.PathLike | None
-    tensorboard_dir: str | os.PathLike | None
-    progress: bool | None
-    checkpoint_dir: str | os.PathLike | None
-    checkpoint_every: int | None
-    keep_checkpoints: int
-    noise_every: int | None
-    system_every: int | None
-    device: torch.device | str | None
-    rank: int | None
-    world_size: int | None
 
 
 @dataclass(frozen=True)

@@ -26,13 +26,14 @@ from ..data.loader import AdaptiveDataLoader, MicroBatch
 from ..logs import ProgressBar
 from ..measure import StepMeter, engine_probe
 from .accumulate import Accumulation
-from .config import PilotSettings, checked, merge_settings, stop_samples
+from .config import checked, merge_settings, stop_samples
 from .driver import Decisions, SizeDriver
 from .finish import finish_step
 from .guard import RollbackGuard
 from .placement import engine_reduces_gradients, resolve_world, training_device
 from .probes import adopt_anchor, lr_config, resolve_auto, run_probes
 from .replay import StepReplay
+from .settings import PilotSettings
 from .state import PilotState, find_checkpoint, rescale_lr
 from .step_end import Gradients, StepEnd, StepLog, lr_rules
 
