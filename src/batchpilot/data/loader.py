@@ -1,22 +1,22 @@
 """`AdaptiveDataLoader`: micro-batches of exactly the decided global batch, with workers and prefetching.
 
-Each global batch (one optimizer step) is cut from an :class:`AdaptiveBatchSampler`; this rank's share is
-split into ``accumulation_steps`` near-equal micro-batches of at most ``max_micro_batch_size`` samples
-(:mod:`.micro_batch`), fetched in process or by a torch DataLoader's workers (:mod:`.fetch`).
+Each global batch (one optimizer step) is cut from an :class:`AdaptiveBatchSampler`; this rank's share (even, or
+weighted: :mod:`.shares`) is split into ``accumulation_steps`` near-equal micro-batches of at most
+``max_micro_batch_size`` samples (:mod:`.micro_batch`), fetched in process or by a torch DataLoader's workers.
 
 Exact sizes with prefetching: with ``num_workers > 0`` torch's DataLoader asks the batch sampler for index
 lists ahead of consumption. Every planned micro-batch remembers the sampler position at the start of its
-step; when :meth:`set_batch_size` changes the size while later steps were already planned, the loader seeks
-the sampler back to the first unconsumed step and restarts the worker iterator (persistent workers drain
-their queue). Nothing prefetched under the old size reaches the consumer, no index is lost or repeated; the
-cost is one discarded prefetch window per change.
+step; when :meth:`set_batch_size` (or :meth:`set_rank_weights`) changes the size while later steps were planned,
+the loader seeks the sampler back to the first unconsumed step and restarts the worker iterator. Nothing
+prefetched under the old size reaches the consumer, no index is lost or repeated; the cost is one discarded
+prefetch window per change.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ from .micro_batch import (
     wants_split,
 )
 from .sampler import AdaptiveBatchSampler
+from .shares import checked_weights
 
 __all__ = ["AdaptiveDataLoader", "MicroBatch", "accumulation_steps_for", "split_even"]
 
@@ -86,28 +87,14 @@ class AdaptiveDataLoader:
         step_start_rng: See ``rng_device``; ``None`` until a step starts.
     """
 
-    def __init__(
-        self,
-        dataset: Dataset,
-        batch_size: int,
-        *,
-        max_micro_batch_size: int | None = None,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = False,
-        rank: int = 0,
-        world_size: int = 1,
-        num_workers: int = 0,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
-        pin_memory: bool = False,
-        prefetch_factor: int | None = None,
-        persistent_workers: bool | None = None,
-        sampler: AdaptiveBatchSampler | None = None,
-        accumulation_steps: int | None = None,
-        wrap_loader: Callable[[DataLoader], Iterable[Any]] | None = None,
-        dataloader_kwargs: Mapping[str, Any] | None = None,
-        rng_device: torch.device | str | None = None,
-    ) -> None:
+    def __init__(self, dataset: Dataset, batch_size: int, *, max_micro_batch_size: int | None = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, rank: int = 0, world_size: int = 1,
+                 num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None, pin_memory: bool = False,
+                 prefetch_factor: int | None = None, persistent_workers: bool | None = None,
+                 sampler: AdaptiveBatchSampler | None = None, accumulation_steps: int | None = None,
+                 wrap_loader: Callable[[DataLoader], Iterable[Any]] | None = None,
+                 dataloader_kwargs: Mapping[str, Any] | None = None,
+                 rng_device: torch.device | str | None = None) -> None:
         length = dataset_length(dataset)
         self.dataset = dataset
         self.sampler = sampler or AdaptiveBatchSampler(
@@ -169,6 +156,17 @@ class AdaptiveDataLoader:
         self.sampler.set_batch_size(global_batch_size)  # before the rewind: a restarted worker iterator plans at once
         if self._planned:
             self._rewind()
+
+    def set_rank_weights(self, weights: Sequence[float] | None) -> None:
+        """Share the global batches from the next step on in proportion to ``weights``, one positive weight per
+        rank (``None``: evenly; see :mod:`.shares`); call between steps, on every rank with the same weights.
+        Steps planned ahead are planned again, as after :meth:`set_batch_size`."""
+        weights = checked_weights(weights, self.sampler.world_size)
+        if weights != self.sampler.rank_weights:
+            self._check_between_steps("set_rank_weights")
+            self.sampler.set_rank_weights(weights)
+            if self._planned:
+                self._rewind()
 
     def epochs_done(self) -> int:
         """Full passes done before the next step: ``position()``'s epoch, +1 when all that is left of the
@@ -275,7 +273,7 @@ class AdaptiveDataLoader:
     def _accumulation_for(self, size: int, step: int) -> int:
         return plan_accumulation_steps(size, self.sampler.world_size, accumulation_steps=self.accumulation_steps,
                                        max_micro_batch_size=self.max_micro_batch_size,
-                                       split=wants_split(self.split_every, step))
+                                       split=wants_split(self.split_every, step), weights=self.sampler.rank_weights)
 
     def _split_changed(self) -> bool:
         """Whether the step about to be consumed was planned ahead with another split than asked for now."""

@@ -7,13 +7,14 @@ sample of the step, to be weighted 0, so that it still runs forward and backward
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .sampler import SamplerPosition, share_bounds
+from .sampler import SamplerPosition
+from .shares import largest_share, share_bounds, smallest_share
 
 
 @dataclass
@@ -77,12 +78,15 @@ class PlannedMicroBatch:
                           self.global_batch_size, self.ghost, self.position.epoch, self.position.offset, self.step)
 
 
-def accumulation_steps_for(global_batch_size: int, world_size: int, max_micro_batch_size: int | None) -> int:
-    """Micro-batches per step: enough for the largest rank share to fit ``max_micro_batch_size``."""
+def accumulation_steps_for(global_batch_size: int, world_size: int, max_micro_batch_size: int | None,
+                           weights: Sequence[float] | None = None) -> int:
+    """Micro-batches per step: enough for the largest rank share (of the even split, or of one in proportion to
+    ``weights``) to fit ``max_micro_batch_size``. Every rank runs this many, the ranks with smaller shares in
+    smaller micro-batches, so every rank makes the same collective calls."""
     if max_micro_batch_size is None:
         return 1
-    largest_share = -(-global_batch_size // world_size)
-    return max(1, -(-largest_share // max_micro_batch_size))
+    largest = largest_share(global_batch_size, world_size, weights)
+    return max(1, -(-largest // max_micro_batch_size))
 
 
 def split_even(n: int, parts: int) -> list[tuple[int, int]]:
@@ -98,14 +102,17 @@ def wants_split(split_every: int | Callable[[int], bool] | None, step: int) -> b
 
 
 def plan_accumulation_steps(global_batch_size: int, world_size: int, *, accumulation_steps: int | None,
-                            max_micro_batch_size: int | None, split: bool) -> int:
+                            max_micro_batch_size: int | None, split: bool,
+                            weights: Sequence[float] | None = None) -> int:
     """Micro-batches of a step: ``accumulation_steps`` when fixed, else enough for ``max_micro_batch_size``
-    and, with ``split``, at least 2 (two half-batches for a gradient-noise measurement) where every rank has
-    a sample for each."""
+    (shares in proportion to ``weights``, if given) and, with ``split``, at least 2 (two half-batches for a
+    gradient-noise measurement) where every rank has a sample for each."""
     if accumulation_steps is not None:
         return accumulation_steps
-    steps = accumulation_steps_for(global_batch_size, world_size, max_micro_batch_size)
-    return max(steps, min(2 if split else 1, global_batch_size // world_size))
+    steps = accumulation_steps_for(global_batch_size, world_size, max_micro_batch_size, weights)
+    if not split:
+        return steps
+    return max(steps, min(2, smallest_share(global_batch_size, world_size, weights)))
 
 
 def plan_micro_batches(global_batch: np.ndarray, share: np.ndarray, accumulation_steps: int,

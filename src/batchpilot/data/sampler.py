@@ -10,13 +10,14 @@ world size resumes under another.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .._validation import check_batch_size, check_bool, check_positive_int
+from .shares import RankWeights, checked_weights, loaded_weights, share_bounds
 
 logger = logging.getLogger("batchpilot")
 
@@ -24,17 +25,6 @@ _FORMAT = "batchpilot.AdaptiveBatchSampler"
 _VERSION = 1
 _STATE_KEYS = ("num_samples", "seed", "shuffle", "drop_last", "epoch", "offset", "batch_size",
                "samples_seen", "dropped_samples")
-
-
-def share_bounds(global_batch_size: int, rank: int, world_size: int) -> tuple[int, int]:
-    """Return ``(start, stop)`` of ``rank``'s share inside a global batch of ``global_batch_size`` samples.
-
-    Shares are contiguous and differ by at most one sample: the first ``global_batch_size % world_size`` ranks
-    get one extra. A rank's share is empty when ``global_batch_size < world_size`` and ``rank >= global_batch_size``.
-    """
-    base, extra = divmod(global_batch_size, world_size)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
 
 
 @dataclass(frozen=True)
@@ -59,7 +49,8 @@ class AdaptiveBatchSampler:
     * within an epoch the union over ranks of all shares is exactly ``range(num_samples)``, each index
       once (with ``drop_last=True`` the incomplete final batch, if any, is dropped and counted in
       ``dropped_samples``);
-    * all ranks agree on every global batch size, and shares differ by at most one index; a rank whose share
+    * all ranks agree on every global batch size, and shares differ by at most one index (with
+      :meth:`set_rank_weights`: are proportional to the ranks' weights, see :mod:`.shares`); a rank whose share
       of a small final batch is empty still yields (an empty list), so every rank yields the same number
       of batches and no DDP collective hangs (torch's ``default_collate`` fails on an empty list:
       :class:`~batchpilot.AdaptiveDataLoader` makes it a ghost micro-batch);
@@ -121,6 +112,7 @@ class AdaptiveBatchSampler:
         self._resumed_loop: int | None = None  # epoch of the loop a loaded state was saved in
         self._plans_ahead = False  # a consumer cuts batches before using them (see plan_ahead)
         self._first_unused: SamplerPosition | None = None
+        self._weights: RankWeights | None = None
 
     # ---------------------------------------------------------------- size and position
     @property
@@ -131,6 +123,16 @@ class AdaptiveBatchSampler:
     def set_batch_size(self, batch_size: int) -> None:
         """Set the global batch size of the next batch (and of the ones after it, until changed again)."""
         self._global_batch_size = check_batch_size(batch_size)
+
+    @property
+    def rank_weights(self) -> RankWeights | None:
+        """Each rank's weight in the share of the next global batches (``None``: even shares)."""
+        return self._weights
+
+    def set_rank_weights(self, weights: Sequence[float] | None) -> None:
+        """Share the next global batches in proportion to ``weights``, one positive weight per rank (``None``:
+        evenly). Every rank must set the same weights before the same batch (exact coverage needs it)."""
+        self._weights = checked_weights(weights, self.world_size)
 
     @property
     def coverage(self) -> float:
@@ -251,7 +253,7 @@ class AdaptiveBatchSampler:
 
     def local_share(self, global_batch: np.ndarray) -> np.ndarray:
         """This rank's contiguous share of ``global_batch``."""
-        start, stop = share_bounds(len(global_batch), self.rank, self.world_size)
+        start, stop = share_bounds(len(global_batch), self.rank, self.world_size, self._weights)
         return global_batch[start:stop]
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -311,6 +313,7 @@ class AdaptiveBatchSampler:
             "batch_size": self._global_batch_size,
             "samples_seen": self.samples_seen,
             "dropped_samples": self.dropped_samples,
+            "rank_weights": None if self._weights is None else list(self._weights),
         }
         loop_epoch = self._open_loop[1] if self._open_loop is not None else self._resumed_loop
         if loop_epoch is not None:
@@ -333,6 +336,7 @@ class AdaptiveBatchSampler:
                 corrupt), or describes a different dataset or order.
         """
         position, global_batch_size, loop_epoch = self._checked(state)
+        self._weights = loaded_weights(state.get("rank_weights"), self.world_size)
         self.drop_last = state["drop_last"]
         self.seek(position)
         self._global_batch_size = global_batch_size

@@ -2,7 +2,9 @@
 
 Each micro-batch runs on the training device, under DDP's ``no_sync`` except where DDP is to all-reduce
 (the step's last micro-batch, when DDP sums the gradients), and under autocast with AMP. Its loss is weighted
-so that the accumulated gradient is the gradient of the mean loss over the global batch, whatever the split.
+so that the accumulated gradient is the gradient of the mean loss over the global batch, whatever the split:
+micro-batch ``j`` of ``n_j`` samples gets ``n_j / B`` (``N n_j / B`` when DDP averages over ``N`` ranks), which
+stays exact when the ranks' shares differ (``rank_weights``) and for ghost micro-batches (``n_j = 0``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Accumulation:
         self.mean_loss = precision.loss_reduction == "mean"
         self.scaler, self.noise = step_end.scaler, step_end.noise
         self.meter, self.step_end, self.replay = meter, step_end, replay
+        self.balance: Any = None  # rank_weights="auto"'s timings (engine/rank_balance.py), or None
         self.micro: MicroBatch | None = None  # the micro-batch between its yield and the step's end
         self.step_open = False  # a step's first micro-batch was yielded and the step is not finished
         self._backward_done = False
@@ -53,6 +56,8 @@ class Accumulation:
                 self.noise.begin_step(micro.step, small_batches=micro.accumulation_steps >= 2)
         data = to_device(micro.data, self.device)
         self.meter.begin_micro()
+        if self.balance is not None:
+            self.balance.forward_starts(micro.micro_index == 0)
         if self.ddp_model is None and self.autocast is None:
             yield data  # the common case, without context managers
         else:
@@ -103,6 +108,9 @@ class Accumulation:
                 f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; reduce it with .mean() first."
             )
         micro_batch_size = micro.size  # 0 for a ghost micro-batch
+        balance = self.balance if micro_batch_size else None
+        if balance is not None and balance.forward_only:
+            balance.compute_ends(micro_batch_size)  # before a backward that may wait in DDP's all-reduce
         per_sample = (micro_batch_size if self.mean_loss else 1) if micro_batch_size else 0
         if per_sample:
             self.step_end.losses.append((loss.detach(), per_sample))
@@ -114,6 +122,8 @@ class Accumulation:
             scaled = self.scaler.scale(scaled)
         scaled.backward()
         self._backward_done = True
+        if balance is not None and not balance.forward_only:
+            balance.compute_ends(micro_batch_size)  # no collective in this backward: it is compute only
         if micro_batch_size:  # the micro-batch's time ends here: the noise probe's work below is not its cost
             self.meter.end_micro(micro_batch_size)
         if self.noise is not None and self.noise.measuring and micro_batch_size:

@@ -43,6 +43,7 @@ def finish_step(pilot: Any, micro: MicroBatch, bar: ProgressBar) -> None:
         return
     size = pilot.loader.batch_size  # the size in force (an epoch's last step may have been smaller)
     guard.after_decision(pilot._decisions.after_step(record), size)
+    pilot._ranks.after_step(pilot.step)  # rank_weights="auto": re-estimated every few steps (engine/rank_balance.py)
     if pilot._couple:
         pilot.coupling.scale(pilot.loader.next_step_size())
     groups = len(pilot.optimizer.param_groups)

@@ -32,6 +32,7 @@ from .finish import finish_step
 from .guard import RollbackGuard
 from .placement import engine_reduces_gradients, resolve_world, training_device
 from .probes import adopt_anchor, lr_config, resolve_auto, run_probes
+from .rank_balance import PilotRankWeights
 from .replay import StepReplay
 from .settings import PilotSettings
 from .state import PilotState, find_checkpoint, rescale_lr
@@ -125,6 +126,7 @@ class Pilot:
         self._overhead_clean = False  # whether this step's time outside its micro-batches is a fair sample
         self._rewinds_seen = self.loader.rewinds
         self.probing = False  # the micro-batches yielded now belong to the automatic mode's start probes
+        self._ranks = PilotRankWeights.attach(self)  # rank_weights (engine/rank_balance.py)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -172,6 +174,11 @@ class Pilot:
     def last_decision(self) -> dict[str, Any] | None:
         """The last change of size (or note on keeping it), as logged; ``None`` before the first."""
         return self._decisions.last_decision
+
+    @property
+    def rank_weights(self) -> tuple[float, ...] | None:
+        """Each rank's weight in the share of the next global batches (``None``: even; docs/distributed.md)."""
+        return self.loader.sampler.rank_weights
 
     @property
     def rollbacks(self) -> int:

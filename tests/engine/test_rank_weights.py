@@ -1,0 +1,193 @@
+"""Rank weights over two real gloo processes: unequal shares give the gradient of one process training the same
+global batches (with DDP, with the engine's own reduction, with accumulation and ghost micro-batches), weights
+changed mid-epoch keep exact coverage, "auto" finds the speed ratio of a slowed rank, and a checkpoint resumes the
+weights (and resets them under another world size)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _dist_helpers as h  # noqa: E402
+from _hf_common import SizeList  # noqa: E402
+
+import batchpilot  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+# Sizes that end epochs of 101 samples in batches of 1 and 2 samples: with weights 1:3, rank 0's share is empty.
+SIZES = [8, 21, 5, 33, 10, 17, 6, 1, 12, 40, 3, 9, 25, 2, 30, 7]
+WEIGHTS = [1.0, 3.0]
+
+
+def _train(rank: int, world_size: int, *, wrap_ddp: bool, micro: int | None, weights, steps: int,
+           change_at: dict[int, list[float]] | None = None, oom_recovery: bool = False) -> dict:
+    model = h.make_model()
+    net = torch.nn.parallel.DistributedDataParallel(model) if wrap_ddp else model
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    pilot = batchpilot.Pilot(net, opt, h.make_data(), batch_size=4, controller=SizeList(SIZES), seed=5,
+                             max_micro_batch_size=micro, lr_rule="linear", base_batch_size=4, noise_every=2,
+                             rank_weights=weights, oom_recovery=oom_recovery)
+    if change_at:
+        pilot.add_callback(lambda p, record: p.loader.set_rank_weights(change_at[p.step])
+                           if p.step in change_at else None)
+    records: list[dict] = []
+    for x, y in pilot.batches(max_steps=steps):
+        m = pilot.micro_batch
+        if m.micro_index == 0:
+            records.append({"global_size": m.global_size, "accumulation_steps": m.accumulation_steps,
+                            "epoch": m.epoch, "local_size": m.local_size, "indices": [], "ghosts": 0})
+        if m.ghost:
+            records[-1]["ghosts"] += 1
+        else:
+            records[-1]["indices"].extend(m.indices.tolist())
+        with pilot.micro_step():
+            pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+    noise = {k: v for k, v in pilot.last_record.items() if k.startswith("stats/")}
+    return {"records": records, "weights": [p.detach().tolist() for p in model.parameters()], "noise": noise,
+            "rank_weights": pilot.rank_weights}
+
+
+def _worker(rank: int, world_size: int, init_file: str, out_dir: str, kwargs: dict) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        result = _train(rank, world_size, **kwargs)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    h.finish()
+
+
+def _spawn(tmp_path: Path, **kwargs) -> list[dict]:
+    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), kwargs), nprocs=2, join=True)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _check_against_one_process(ranks: list[dict], steps: int, micro: int | None, expected_weights) -> None:
+    r0, r1 = (r["records"] for r in ranks)
+    assert len(r0) == len(r1) == steps
+    for a, b in zip(r0, r1):
+        assert a["global_size"] == b["global_size"] and a["accumulation_steps"] == b["accumulation_steps"]
+        assert len(a["indices"]) + len(b["indices"]) == a["global_size"]
+    # Exact coverage: each sample once per complete epoch, over both ranks.
+    per_epoch: dict[int, list[int]] = {}
+    for a, b in zip(r0, r1):
+        per_epoch.setdefault(a["epoch"], []).extend(a["indices"] + b["indices"])
+    for e in [e for e in per_epoch if e < max(per_epoch)]:
+        assert sorted(per_epoch[e]) == list(range(h.NUM_SAMPLES)), e
+    # The reference: one process, the same global batches, the same optimizer.
+    ref = _train(0, 1, wrap_ddp=False, micro=micro, weights=None, steps=steps)
+    assert [sorted(r["indices"]) for r in ref["records"]] == [sorted(a["indices"] + b["indices"])
+                                                              for a, b in zip(r0, r1)]
+    assert ranks[0]["noise"] == ranks[1]["noise"] and "stats/trace_cov" in ranks[0]["noise"]
+    assert ranks[0]["rank_weights"] == ranks[1]["rank_weights"] == expected_weights
+    for w_ref, w0, w1 in zip(ref["weights"], ranks[0]["weights"], ranks[1]["weights"]):
+        assert w0 == w1
+        torch.testing.assert_close(torch.tensor(w0), torch.tensor(w_ref), rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize(("wrap_ddp", "micro", "oom_recovery"),
+                         [(True, None, False), (False, 3, False), (True, 4, False), (True, 4, True)])
+def test_unequal_shares_match_one_process_at_the_same_global_batch(tmp_path, wrap_ddp, micro, oom_recovery):
+    steps = 24  # > 2 epochs of 101 samples, with final batches of 1 and 2 samples (ghosts on rank 0)
+    ranks = _spawn(tmp_path, wrap_ddp=wrap_ddp, micro=micro, weights=WEIGHTS, steps=steps, oom_recovery=oom_recovery)
+    r0, r1 = (r["records"] for r in ranks)
+    # Shares in proportion 1:3 by the largest remainder: rank 1 gets 3/4 of each batch (rounded).
+    for a, b in zip(r0, r1):
+        size = a["global_size"]
+        assert a["local_size"] == len(a["indices"]) and b["local_size"] == len(b["indices"])
+        assert abs(len(b["indices"]) - 0.75 * size) < 1
+    assert any(a["local_size"] == 0 for a in r0), "no ghost micro-batch on rank 0"
+    if micro is not None:  # accumulation: both ranks run the larger share's count of micro-batches
+        assert any(a["accumulation_steps"] > 1 and len(a["indices"]) < len(b["indices"]) for a, b in zip(r0, r1))
+    _check_against_one_process(ranks, steps, micro, [1.0, 3.0])
+
+
+def test_weights_changed_mid_epoch_keep_exact_coverage_and_exact_gradients(tmp_path):
+    steps = 24
+    change_at = {3: [2.0, 1.0], 7: [1.0, 5.0], 11: [1.0, 1.0], 16: [3.0, 2.0]}
+    ranks = _spawn(tmp_path, wrap_ddp=True, micro=5, weights=None, steps=steps, change_at=change_at)
+    r0, r1 = (r["records"] for r in ranks)
+    assert len(r1[4]["indices"]) == r1[4]["global_size"] // 3  # step 4 (after the change at step 3): 2:1
+    _check_against_one_process(ranks, steps, 5, [3.0, 2.0])
+
+
+# ---------------------------------------------------------------------------------------------- "auto"
+class _SlowLinear(torch.nn.Module):
+    """A linear model whose forward sleeps ``per_sample`` seconds per sample (a slower device)."""
+
+    def __init__(self, per_sample: float) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(5, 2).double()
+        self.per_sample = per_sample
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.per_sample * len(x))
+        return self.linear(x)
+
+
+def _auto_worker(rank: int, world_size: int, init_file: str, out_dir: str, wrap_ddp: bool) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        model = _SlowLinear(0.001 if rank == 0 else 0.003)  # rank 1 is 3x slower per sample
+        net = torch.nn.parallel.DistributedDataParallel(model) if wrap_ddp else model
+        log = Path(out_dir, "log.jsonl")
+        pilot = batchpilot.Pilot(net, torch.optim.SGD(net.parameters(), lr=0.01), h.make_data(), batch_size=32,
+                                 rank_weights="auto", log_path=log, checkpoint_dir=Path(out_dir, "ckpt"))
+        for x, y in pilot.batches(max_steps=60):
+            pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+        pilot.save_checkpoint()
+        pilot.close()
+        result = {"weights": pilot.rank_weights, "changes": pilot._ranks.balancer.changes,
+                  "local": pilot.micro_batch is None}
+        Path(out_dir, f"auto{rank}.json").write_text(json.dumps(result))
+        del pilot, net
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    h.finish()
+
+
+@pytest.mark.parametrize("wrap_ddp", [True, False])
+def test_auto_weights_find_the_speed_ratio_of_a_slowed_rank(tmp_path, wrap_ddp):
+    mp.spawn(_auto_worker, args=(2, str(tmp_path / "init"), str(tmp_path), wrap_ddp), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"auto{r}.json").read_text()) for r in range(2))
+    assert r0["weights"] == r1["weights"]
+    w0, w1 = r0["weights"]
+    assert w0 / w1 == pytest.approx(3.0, rel=0.2)
+    lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    changes = [line for line in lines if line.get("event") == "rank_weights"]
+    assert len(changes) == r0["changes"] >= 1
+    assert changes[-1]["new"] == r0["weights"] and changes[0]["old"] is None
+    # The checkpoint holds the weights and the estimates: a one-process run resumes it with even shares.
+    state = batchpilot.read_checkpoint(sorted((tmp_path / "ckpt").glob("step-*.pt"))[-1])
+    assert state["loader"]["rank_weights"] == r0["weights"]
+    assert state["rank_weights"]["balancer"]["weights"] == r0["weights"]
+    model = _SlowLinear(0.0)
+    solo = batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.01), h.make_data(), batch_size=32,
+                            rank_weights="auto", world_size=1)
+    solo.load_state_dict(state)
+    assert solo.rank_weights is None
+
+
+@pytest.mark.skipif(os.environ.get("BATCHPILOT_SKIP_SLOW") == "1", reason="slow")
+def test_world_size_one_accepts_one_weight_and_auto_as_no_ops():
+    for setting in ([2.5], "auto", None):
+        model = h.make_model()
+        pilot = batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), h.make_data(), batch_size=8,
+                                 rank_weights=setting)
+        for x, y in pilot.batches(max_steps=3):
+            assert pilot.micro_batch.local_size == pilot.micro_batch.global_size
+            pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+        assert pilot.rank_weights == ((2.5,) if setting == [2.5] else None)
