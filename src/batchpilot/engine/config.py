@@ -269,6 +269,7 @@ def checked(config: PilotConfig, *, batch_size: Any, controller: Any, optimizer:
         grad_clip=lambda: _check_grad_clip(prec.grad_clip),
         controller=lambda: check_controller(controller),
         oom_recovery=lambda: check_bool(mem.oom_recovery, "oom_recovery"),
+        save_on_sigterm=lambda: check_bool(ckpt.save_on_sigterm, "save_on_sigterm"),
         skip_nonfinite=lambda: check_bool(prec.skip_nonfinite, "skip_nonfinite"),
         progress=lambda: config.logs.progress is None or check_bool(config.logs.progress, "progress"),
         lr_schedulers=lambda: _check_schedulers(lr.lr_schedulers, optimizer),
@@ -278,6 +279,8 @@ def checked(config: PilotConfig, *, batch_size: Any, controller: Any, optimizer:
     )
     if not problems and ckpt.checkpoint_every is not None and ckpt.checkpoint_dir is None:
         problems.append("checkpoint_every is set but checkpoint_dir is None; pass checkpoint_dir=... too.")
+    if not problems and ckpt.save_on_sigterm and ckpt.checkpoint_dir is None:
+        problems.append("save_on_sigterm=True saves into checkpoint_dir, which is None; pass checkpoint_dir=... too.")
     if not problems and ((lo is not None and batch_size < lo) or (hi is not None and batch_size > hi)):
         problems.append(f"batch_size={batch_size} lies outside [min_batch_size={lo}, max_batch_size={hi}].")
     if problems:

@@ -7,6 +7,7 @@ from typing import Any
 
 from ..data.loader import MicroBatch
 from ..logs import ProgressBar
+from .preemption import stop_if_agreed
 from .state import rescale_lr
 from .step_end import step_record
 
@@ -39,6 +40,7 @@ def finish_step(pilot: Any, micro: MicroBatch, bar: ProgressBar) -> None:
     pilot._acc.micro = None  # between steps from here on
     guard = pilot._guard
     if guard.check_step(pilot, global_batch_size, outcome.loss, outcome.skipped):
+        stop_if_agreed(pilot, saved=False)  # a SIGTERM: save where the rollback went back to, and stop
         pilot.driver.start_clock()  # rolled back (engine/guard.py): at an earlier boundary, at the old size
         return
     size = pilot.loader.batch_size  # the size in force (an epoch's last step may have been smaller)
@@ -55,7 +57,9 @@ def finish_step(pilot: Any, micro: MicroBatch, bar: ProgressBar) -> None:
             rescale_lr(pilot.coupling, pilot.loader)  # a group added in a callback gets the factor at once
     guard.before_next_step(pilot, size)  # a snapshot before the first step at a size the controller changed to
     every = pilot.config.checkpoints.checkpoint_every
-    if every is not None and pilot.step % every == 0:
+    saved = every is not None and pilot.step % every == 0
+    if saved:
         pilot.save_checkpoint()
+    stop_if_agreed(pilot, saved=saved)  # save_on_sigterm: every rank agreed in the step's loss all-reduce
     pilot.driver.start_clock()
 

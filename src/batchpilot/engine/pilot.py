@@ -31,6 +31,7 @@ from .driver import Decisions, SizeDriver
 from .finish import finish_step
 from .guard import RollbackGuard
 from .placement import engine_reduces_gradients, resolve_world, training_device
+from .preemption import Preemption
 from .probes import adopt_anchor, lr_config, resolve_auto, run_probes
 from .rank_balance import PilotRankWeights
 from .replay import StepReplay
@@ -105,6 +106,7 @@ class Pilot:
             skip_nonfinite=prec.skip_nonfinite, noise=self._noise, lr_schedulers=self.lr_schedulers,
             engine_reduces=engine_reduces, ddp_model=self._ddp_model, module=self._module,
             world_size=self.world_size, rank=self.rank)
+        self._preemption = self._step_end.preemption = Preemption(cfg.checkpoints.save_on_sigterm)
         # A step run again (after running out of memory, or after the loop left it unfinished) draws what its
         # first run drew (augmentation, dropout).
         self._replay = StepReplay(self._module, self.device, loader=self.loader, step_end=self._step_end,
@@ -127,6 +129,7 @@ class Pilot:
         self._rewinds_seen = self.loader.rewinds
         self.probing = False  # the micro-batches yielded now belong to the automatic mode's start probes
         self._ranks = PilotRankWeights.attach(self)  # rank_weights (engine/rank_balance.py)
+        self.preempted = False  # save_on_sigterm: a SIGTERM stopped batches() after a checkpoint (it stays stopped)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -234,6 +237,7 @@ class Pilot:
                 (epochs is not None and self.epoch >= epochs)
                 or (max_steps is not None and self.step >= max_steps)
                 or (max_samples is not None and self.samples_seen >= max_samples)
+                or self.preempted
             )
 
         if self._auto and not done():
@@ -243,6 +247,7 @@ class Pilot:
         self._step_end.refresh_params()
         self._grads.zero()  # nothing left over from before (e.g. an LR range test) adds to the first step
         self.driver.start_clock()
+        self._preemption.install()  # save_on_sigterm (engine/preemption.py)
         try:
             while not done():
                 micro_batches = iter(self.loader)  # a tail left to drop is dropped here (drop_last)
@@ -276,6 +281,7 @@ class Pilot:
             self._acc.micro = None
             bar.close()
             self._log.flush()
+            self._preemption.restore(preempted=self.preempted)
 
     def micro_step(self) -> contextlib.AbstractContextManager[None]:
         """Wrap one micro-batch's forward and backward; with ``oom_recovery=True`` an out-of-memory error

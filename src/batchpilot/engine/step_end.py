@@ -20,6 +20,7 @@ from ..logs import AdjustmentLog, TensorBoardSink
 from ..lr import AdaScaleLR, LRCoupling, SampleLRSchedule
 from ..measure import GradientNoiseProbe, read_scalars
 from .config import LRConfig
+from .preemption import Preemption
 
 logger = logging.getLogger("batchpilot")
 
@@ -29,10 +30,19 @@ Event = Callable[..., None]
 
 def reduce_step_loss(losses: Sequence[tuple[torch.Tensor, float]], global_batch_size: int, *,
                      world_size: int, rank: int) -> float:
-    """The step's mean loss over its global batch, from ``(detached loss, weight in samples)`` pairs.
+    """The step's mean loss over its global batch, from ``(detached loss, weight in samples)`` pairs (see
+    :func:`reduce_step_totals`)."""
+    return reduce_step_totals(losses, global_batch_size, world_size=world_size, rank=rank)[0]
+
+
+def reduce_step_totals(losses: Sequence[tuple[torch.Tensor, float]], global_batch_size: int, *,
+                       world_size: int, rank: int, stop: bool = False) -> tuple[float, bool]:
+    """The step's mean loss over its global batch, from ``(detached loss, weight in samples)`` pairs, and whether
+    any rank passed ``stop`` (a SIGTERM it received: engine/preemption.py).
 
     One device-to-host copy for the losses; with several ranks one float64 all-reduce that also carries the
-    step's size (no extra collective), so ranks that trained different global batch sizes are caught.
+    step's size and the stop flags (no extra collective), so ranks that trained different global batch sizes
+    are caught, and a signal that reached one rank stops every rank at this step.
 
     Raises:
         RuntimeError: the ranks trained steps of different global batch sizes.
@@ -44,8 +54,9 @@ def reduce_step_loss(losses: Sequence[tuple[torch.Tensor, float]], global_batch_
     if world_size > 1:
         # The size and its square ride along (no extra collective): ranks that disagree cannot sum to both.
         square = global_batch_size * global_batch_size
-        totals = bpdist.all_reduce_sum(torch.tensor([loss_sum, global_batch_size, square], dtype=torch.float64))
-        loss_sum = float(totals[0])
+        totals = bpdist.all_reduce_sum(torch.tensor([loss_sum, global_batch_size, square, float(stop)],
+                                                    dtype=torch.float64))
+        loss_sum, stop = float(totals[0]), float(totals[3]) > 0
         if float(totals[1]) != world_size * global_batch_size or float(totals[2]) != world_size * square:
             raise RuntimeError(
                 f"the ranks trained steps of different global sizes (this rank, {rank}: {global_batch_size}; the mean "
@@ -53,7 +64,7 @@ def reduce_step_loss(losses: Sequence[tuple[torch.Tensor, float]], global_batch_
                 "rank with the same value (broadcast a value only rank 0 knows with "
                 "batchpilot.distributed.broadcast_int)."
             )
-    return loss_sum / global_batch_size
+    return loss_sum / global_batch_size, stop
 
 
 def cpu_grad_norm(params: list[torch.nn.Parameter]) -> float:
@@ -133,6 +144,7 @@ class StepEnd:
         self.engine_reduces, self.ddp_model, self.module = engine_reduces, ddp_model, module
         self.world_size, self.rank = world_size, rank
         self.losses: list[tuple[torch.Tensor, float]] = []  # the step's (detached loss, weight in samples)
+        self.preemption: Preemption | None = None  # save_on_sigterm's flag, agreed on in the loss all-reduce
 
     def refresh_params(self) -> None:
         """Re-read the trainable parameters (between steps); the noise probe's small batches follow, as they must
@@ -153,7 +165,11 @@ class StepEnd:
             bpdist.all_reduce_gradients(params)
             if self.ddp_model is not None and self.ddp_model.broadcast_buffers:
                 bpdist.broadcast_buffers(self.module)  # what DDP does before a synced forward
-        loss = reduce_step_loss(self.losses, global_batch_size, world_size=self.world_size, rank=self.rank)
+        preemption = self.preemption
+        loss, stop = reduce_step_totals(self.losses, global_batch_size, world_size=self.world_size, rank=self.rank,
+                                        stop=preemption is not None and preemption.requested)
+        if stop and preemption is not None:
+            preemption.agreed = True  # every rank saves and stops after this step (engine/preemption.py)
         self.losses.clear()
         scaler = self.scaler
         if scaler is not None:
