@@ -8,6 +8,7 @@ import torch
 from transformers import Trainer
 
 from ..._validation import check_bool, check_positive_int
+from ...data.shares import check_rank_weights
 
 
 def check_scheduler_argument(batch_size_scheduler: Any) -> None:
@@ -45,6 +46,25 @@ def check_step_options(noise_every: int | None, max_micro_batch_size: int | None
             "Set max_micro_batch_size= to a size that fits, or use batchpilot.Pilot(oom_recovery=True), whose "
             "ranks agree on every retry."
         )
+
+
+def check_rank_weights_setting(value: Any, args: Any, world_size: int, loss_owns_scaling: bool) -> Any:
+    """Validate ``rank_weights`` (``None``, ``"auto"`` or one positive weight per rank); return it checked.
+
+    Raises:
+        TypeError, ValueError: the value is not a valid setting (see :func:`batchpilot.data.shares.check_rank_weights`),
+            or uneven shares would be weighted wrongly: a loss normalised by ``num_items_in_batch`` with
+            ``average_tokens_across_devices=False`` divides each rank's loss by its own item count.
+    """
+    checked = check_rank_weights(value, world_size)
+    if checked is not None and world_size > 1 and loss_owns_scaling and not args.average_tokens_across_devices:
+        raise ValueError(
+            f"rank_weights={value!r} gives the ranks shares of different sizes, but the loss is normalised by "
+            "num_items_in_batch with average_tokens_across_devices=False, so each rank divides by its own item count "
+            "and DDP's average would weight a small share as much as a large one; set "
+            "TrainingArguments(average_tokens_across_devices=True) (the default), or leave rank_weights=None."
+        )
+    return checked
 
 
 def sync_each_batch_problem(args: Any, measure: bool, world_size: int) -> str | None:

@@ -16,6 +16,7 @@ import torch
 from ... import distributed as bpdist
 from ...data.loader import AdaptiveDataLoader, MicroBatch
 from ...engine.driver import SizeDriver
+from ...engine.rank_balance import PilotRankWeights
 from ...lr import LRCoupling
 
 
@@ -87,6 +88,8 @@ class HFRun:
         self.samples_at_start = 0  # samples_seen when this train() call began (its throughput counts from there)
         self.lr_anchor: int | None = None  # the LR rule's base batch size when not the first size (Auto's knee)
         self.probe_records: list[dict[str, Any]] = []  # the start probes' records (Auto, this train() call)
+        # rank_weights at work: fixed weights set on the loader, or "auto"'s balancer (engine/rank_balance.py)
+        self.shares: PilotRankWeights | None = None
 
     # ------------------------------------------------------------------ progress (read by logs and users)
     @property
@@ -108,6 +111,11 @@ class HFRun:
     def coverage(self) -> float:
         """Fraction of the current pass consumed, in ``[0, 1)``."""
         return self.loader.position()[1] / self.loader.sampler.num_samples
+
+    @property
+    def rank_weights(self) -> tuple[float, ...] | None:
+        """The weights the global batches are shared by over the ranks (``None``: evenly)."""
+        return self.loader.sampler.rank_weights
 
     @property
     def virtual_epoch(self) -> float:
@@ -198,6 +206,8 @@ class HFRun:
         self.apply_size()
         if self.coupling is not None:
             self.coupling.scale(self.loader.next_step_size())
+        if self.shares is not None:
+            self.shares.after_step(self.driver.step)  # "auto": re-estimated on every rank (a collective when due)
         return decided
 
     def apply_size(self) -> None:
@@ -245,6 +255,7 @@ class HFRun:
             "stats": None if self.stats is None else self.stats.state_dict(),
             "max_micro_batch_size": self.max_micro_batch_size,
             "decided": self.decided,
+            "rank_weights": None if self.shares is None else self.shares.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -257,3 +268,5 @@ class HFRun:
         if state.get("max_micro_batch_size") is not None:  # a bound lowered after running out of memory stays
             self.max_micro_batch_size = int(state["max_micro_batch_size"])
         self.decided = None if state.get("decided") is None else int(state["decided"])
+        if self.shares is not None:  # after the loader's state, which holds the weights it shared by
+            self.shares.load_state_dict(state.get("rank_weights") or {})

@@ -73,6 +73,8 @@ class StepPasses:
         self._failed_rows = 0
         self.ghost = False
         self.grad_norm: float | None = None
+        # The pass in flight when rank_weights="auto" times its forward: (the run's shares, samples, step's first?)
+        self._timed: tuple[Any, int, bool] | None = None
 
     @property
     def planned(self) -> bool:
@@ -107,7 +109,7 @@ class StepPasses:
             try:
                 for k in range(first, current + 1):
                     loss = self._passes(run, model, inputs if k == current else self._inputs[k],
-                                        num_items_in_batch, self._plan[k])
+                                        num_items_in_batch, self._plan[k], first=k == 0)
                     if k < current:
                         run.add_loss(loss)  # a replayed micro-batch: Trainer already has its loss
             except Exception as exc:
@@ -123,8 +125,9 @@ class StepPasses:
         return loss
 
     def _passes(self, run: HFRun, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any,
-                plan: tuple[float, int, bool]) -> torch.Tensor:
-        """Forward and backward of one micro-batch, in passes of at most ``run.max_micro_batch_size`` rows."""
+                plan: tuple[float, int, bool], *, first: bool) -> torch.Tensor:
+        """Forward and backward of one micro-batch, in passes of at most ``run.max_micro_batch_size`` rows
+        (``first``: the step's first micro-batch)."""
         step = _active(run)
         trainer = self.trainer
         micro_batch_size, last = plan[1], plan[2]
@@ -147,15 +150,18 @@ class StepPasses:
             sync = trainer.accelerator.no_sync(model) if i < len(pieces) - 1 else contextlib.nullcontext()
             self._failed_rows = n
             self.ghost = micro_batch_size == 0
+            # Samples, not rows: a padding-free collator packs a micro-batch into one row (rows are samples
+            # only where the micro-batch was split into passes). A ghost's borrowed row is no sample.
+            own = (micro_batch_size if len(pieces) == 1 else n) if micro_batch_size else 0
+            if run.shares is not None and run.shares.balancer is not None:
+                self._timed = (run.shares, own, first and i == 0)  # compute_loss times the forward
             try:
                 with sync:
                     piece_loss = self._train_pass(model, part, num_items_in_batch)
             finally:
                 self.ghost = False
+                self._timed = None
             if stats is not None:
-                # Samples, not rows: a padding-free collator packs a micro-batch into one row (rows are samples
-                # only where the micro-batch was split into passes). A ghost's borrowed row is no sample.
-                own = (micro_batch_size if len(pieces) == 1 else n) if micro_batch_size else 0
                 if own:
                     stats.end_micro(own)
                 # Each pass is a small batch of the noise scale. Trainer divided its loss by B / (W n): the .grad
@@ -166,6 +172,22 @@ class StepPasses:
             loss = piece_loss if loss is None else loss + piece_loss
         assert loss is not None  # split_rows returns at least one piece
         return loss
+
+    def forward_starts(self) -> bool:
+        """``compute_loss`` starts a planned pass's forward: time it for ``rank_weights="auto"`` (the forward
+        only: under DDP the last backward also waits for the slowest rank in the all-reduce). Returns whether
+        :meth:`forward_ends` must be called."""
+        if self._timed is None:
+            return False
+        shares, _, first = self._timed
+        shares.forward_starts(first)
+        return True
+
+    def forward_ends(self) -> None:
+        """The forward timed by :meth:`forward_starts` returned its loss."""
+        if self._timed is not None:
+            shares, samples, _ = self._timed
+            shares.compute_ends(samples)
 
     def _replay(self, run: HFRun, model: torch.nn.Module, error: str) -> None:
         """Drop the step's gradients and lower the pass bound to half the rows that failed."""

@@ -4,9 +4,10 @@ modules (see :mod:`batchpilot.integrations.hf`)."""
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -16,11 +17,18 @@ from transformers.trainer_utils import SaveStrategy
 
 from ...controllers.boundary import needs_gradient_stats
 from ...engine.driver import SizeDriver
+from ...engine.rank_balance import PilotRankWeights
 from ...engine.replay import keep_finished_step
 from ...lr import lr_factor
 from .auto import check_auto, resolve_auto
 from .callbacks import BatchpilotCallback, SampleProgressCallback, add_logs
-from .checks import check_arguments, check_scheduler_argument, check_step_options, sync_each_batch_problem
+from .checks import (
+    check_arguments,
+    check_rank_weights_setting,
+    check_scheduler_argument,
+    check_step_options,
+    sync_each_batch_problem,
+)
 from .data import (
     TrainLoader,
     build_loader,
@@ -33,9 +41,11 @@ from .data import (
 from .run import HFRun
 from .schedule import sample_schedule
 from .state import checkpoint_folder, read_state, resolve_resume, write_state
-from .step import StepPasses, step_stats
+from .step import StepPasses, loss_owns_scaling, step_stats
 
 __all__ = ["AdaptiveBatchSizeTrainer"]
+
+logger = logging.getLogger("batchpilot")
 
 
 class AdaptiveBatchSizeTrainer(Trainer):
@@ -74,6 +84,11 @@ class AdaptiveBatchSizeTrainer(Trainer):
             lower ``max_micro_batch_size`` to half the rows that failed (it never grows back, and is saved in
             checkpoints) and run the step again from its first micro-batch: the same samples, batch and LR.
             ``trainer.batchpilot.oom_replays`` counts the retries.
+        rank_weights: How each global batch is shared over the ranks: ``None`` (evenly), one positive weight per
+            rank (shares proportional to them, e.g. ``[1, 2]``: rank 1 gets twice rank 0's samples) or ``"auto"``
+            (weights from each rank's measured forward time per sample, re-estimated every 10 steps, smoothed, with
+            hysteresis, agreed through rank 0: :class:`batchpilot.engine.rank_balance.RankBalancer`). The loss
+            weighting keeps every step's gradient the mean over its global batch (LB-BSP, arXiv 1806.02508).
 
     Attributes:
         batchpilot: The :class:`HFRun` of the current (or last) ``train()`` call: ``batch_size`` (next
@@ -82,9 +97,11 @@ class AdaptiveBatchSizeTrainer(Trainer):
             ``None``). ``None`` before training.
 
     Raises:
-        ValueError: a training argument this trainer cannot honour (the message names it and the fix), or
-            ``oom_recovery=True`` with several processes.
-        TypeError: ``oom_recovery`` is not a bool, or a model was passed as ``batch_size_scheduler``.
+        ValueError: a training argument this trainer cannot honour (the message names it and the fix),
+            ``oom_recovery=True`` with several processes, or ``rank_weights`` with a weight that is not positive and
+            finite, of another length than the world size, an unknown string, or with per-rank loss normalisation.
+        TypeError: ``oom_recovery`` is not a bool, a model was passed as ``batch_size_scheduler``, or
+            ``rank_weights`` is not a list of numbers.
     """
 
     def __init__(
@@ -100,6 +117,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
         noise_every: int | None = None,
         max_micro_batch_size: int | None = None,
         oom_recovery: bool = False,
+        rank_weights: str | Sequence[float] | None = None,
         **kwargs: Any,
     ) -> None:
         batch_size_scheduler = resolve_auto(batch_size_scheduler)
@@ -126,6 +144,8 @@ class AdaptiveBatchSizeTrainer(Trainer):
             raise ValueError(problem)
         lr_factor(lr_rule, 1, 1, lr_knee)  # validates the rule
         check_auto(batch_size_scheduler, lr_rule, self.data_parallel_size)
+        self._bp_rank_weights = check_rank_weights_setting(rank_weights, self.args, self.data_parallel_size,
+                                                           loss_owns_scaling(self))
         self.batchpilot: HFRun | None = None
         self._bp_resume: str | None = None
         self._bp_passes = StepPasses(
@@ -193,6 +213,9 @@ class AdaptiveBatchSizeTrainer(Trainer):
             max_micro_batch_size=self._bp_max_micro_batch_size,
         )
         run.driver.min_useful = world_size * args.gradient_accumulation_steps
+        run.shares = PilotRankWeights(self._bp_rank_weights, loader=loader, world_size=world_size,
+                                      rank=args.process_index, device=args.device, forward_only=True,
+                                      event=self._bp_weights_changed)
         if self._bp_measure:
             run.stats = step_stats(
                 self.model, world_size=world_size, accumulation_steps=args.gradient_accumulation_steps,
@@ -202,6 +225,11 @@ class AdaptiveBatchSizeTrainer(Trainer):
             run.load_state_dict(read_state(self._bp_resume))
         self.batchpilot = run
         return TrainLoader(loader, args.gradient_accumulation_steps)
+
+    def _bp_weights_changed(self, kind: str, data: dict[str, Any]) -> None:
+        if self.is_world_process_zero():
+            logger.info("step %d: rank weights %s -> %s (samples per forward second: %s)", self.state.global_step,
+                        data["old"], data["new"], data["samples_per_compute_s"])
 
     def _prepare_train_loader(self, dataloader: torch.utils.data.DataLoader) -> Any:
         return prepare_unsharded(self.accelerator, dataloader)
@@ -258,8 +286,11 @@ class AdaptiveBatchSizeTrainer(Trainer):
                      num_items_in_batch: Any = None) -> Any:
         """``Trainer.compute_loss``; a ghost micro-batch's loss (a borrowed row, run only so that every rank
         makes the same passes) is multiplied by 0, whatever the labels and the loss function."""
+        timed = self._bp_passes.forward_starts()  # rank_weights="auto": this rank's forward time per sample
         result = super().compute_loss(model, inputs, return_outputs=return_outputs,
                                       num_items_in_batch=num_items_in_batch)
+        if timed:
+            self._bp_passes.forward_ends()
         if not self._bp_passes.ghost:
             return result
         if return_outputs:
