@@ -54,8 +54,8 @@ def torchrun(out: Path, nproc: int, *args: str, timeout: float = 300) -> subproc
 
 def node(out: Path, *args: str, endpoint: str, host: bool, nnodes: str = "1:2", run_id: str = "elastic",
          env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """One torchrun "node" (one worker process) of a multi-node job on this machine, in its own process group
-    (``os.killpg`` kills the node: agent and worker). c10d rendezvous at ``endpoint``; ``host``: this node serves
+    """One torchrun "node" (one worker process) of a multi-node job on this machine (:func:`kill_node` kills it).
+    c10d rendezvous at ``endpoint``; ``host``: this node serves
     the rendezvous store (on one machine every node would take 127.0.0.1 for its own address and try to). The
     worker's stdout and stderr go to ``out/node-<pid>.txt``."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", **(env or {})}
@@ -64,13 +64,31 @@ def node(out: Path, *args: str, endpoint: str, host: bool, nnodes: str = "1:2", 
            f"--rdzv-conf=is_host={str(host).lower()},last_call_timeout=1", "--max-restarts=3",
            "--monitor-interval=0.2", str(SCRIPT), str(out), "--steps", str(STEPS), *args]
     log = open(out / f"node-{'host' if host else 'peer'}-{time.monotonic_ns()}.txt", "wb")  # noqa: SIM115
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 """What an elastic (``--nnodes=MIN:MAX``) job needs with torch 2.13: with the agents' shared TCP store (the
 default), a node that joins a running job deadlocks the new rendezvous round (the old rank 0 does not publish the
 round's MASTER_ADDR, which the new node waits for; both wait 60 s and fail)."""
+
+
+def kill_node(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a :func:`node`: its agent and every process below it (torchrun starts its workers in sessions of
+    their own, so the agent's process group does not hold them; Linux's /proc lists the children)."""
+    pids = [proc.pid]
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                pids += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+    proc.wait()
 
 
 def wait_for_steps(out: Path, pattern: str, steps: int, timeout: float = 180) -> None:
@@ -146,10 +164,12 @@ def compare(run: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
 
 
 def kill_case(out: Path, point: str, change: str) -> dict[str, Any]:
-    """Kill the last rank at ``point`` in a job of the first world size, resume with the second."""
+    """Kill the last rank (rank 0, the writer, for ``checkpoint-write``) at ``point`` in a job of the first world
+    size, resume with the second."""
     first, second = CHANGES[change]
     out.mkdir(parents=True, exist_ok=True)
-    killed = torchrun(out, first, "--kill", f"{first - 1}:{KILL_POINTS[point]}")
+    rank = 0 if point == "checkpoint-write" else first - 1
+    killed = torchrun(out, first, "--kill", f"{rank}:{KILL_POINTS[point]}")
     if killed.returncode == 0:
         raise RuntimeError(f"{point} {change}: the killed job exited 0\n{killed.stderr[-2000:]}")
     resumed = torchrun(out, second, "--tag", "b")
