@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # test_engine_stats, in the spawned workers too
 import _dist_helpers as h  # noqa: E402
 from _hf_common import SizeList  # noqa: E402
 
@@ -29,9 +30,25 @@ SIZES = [8, 21, 5, 33, 10, 17, 6, 1, 12, 40, 3, 9, 25, 2, 30, 7]
 WEIGHTS = [1.0, 3.0]
 
 
+class _OutOfMemoryAbove(torch.nn.Module):
+    """Raises the error CUDA raises for a micro-batch of more than ``limit`` rows (``None``: never)."""
+
+    def __init__(self, limit: int | None) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.limit is not None and len(x) > self.limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {len(x)} rows.")
+        return x
+
+
 def _train(rank: int, world_size: int, *, wrap_ddp: bool, micro: int | None, weights, steps: int,
-           change_at: dict[int, list[float]] | None = None, oom_recovery: bool = False) -> dict:
+           change_at: dict[int, list[float]] | None = None, oom_recovery: bool = False,
+           oom_limit: int | None = None) -> dict:
     model = h.make_model()
+    if oom_limit is not None:  # rank 1, the one with the larger share, runs out of memory above oom_limit rows
+        model = torch.nn.Sequential(_OutOfMemoryAbove(oom_limit if rank == 1 else None), model)
     net = torch.nn.parallel.DistributedDataParallel(model) if wrap_ddp else model
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     pilot = batchpilot.Pilot(net, opt, h.make_data(), batch_size=4, controller=SizeList(SIZES), seed=5,
@@ -40,21 +57,22 @@ def _train(rank: int, world_size: int, *, wrap_ddp: bool, micro: int | None, wei
     if change_at:
         pilot.add_callback(lambda p, record: p.loader.set_rank_weights(change_at[p.step])
                            if p.step in change_at else None)
-    records: list[dict] = []
+    by_step: dict[int, dict] = {}
     for x, y in pilot.batches(max_steps=steps):
         m = pilot.micro_batch
-        if m.micro_index == 0:
-            records.append({"global_size": m.global_size, "accumulation_steps": m.accumulation_steps,
-                            "epoch": m.epoch, "local_size": m.local_size, "indices": [], "ghosts": 0})
+        if m.micro_index == 0:  # (a step run again after running out of memory starts over)
+            by_step[m.step] = {"global_size": m.global_size, "accumulation_steps": m.accumulation_steps,
+                               "epoch": m.epoch, "local_size": m.local_size, "indices": [], "ghosts": 0}
         if m.ghost:
-            records[-1]["ghosts"] += 1
+            by_step[m.step]["ghosts"] += 1
         else:
-            records[-1]["indices"].extend(m.indices.tolist())
+            by_step[m.step]["indices"].extend(m.indices.tolist())
         with pilot.micro_step():
             pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
     noise = {k: v for k, v in pilot.last_record.items() if k.startswith("stats/")}
-    return {"records": records, "weights": [p.detach().tolist() for p in model.parameters()], "noise": noise,
-            "rank_weights": pilot.rank_weights}
+    return {"records": [by_step[k] for k in sorted(by_step)], "weights": [p.detach().tolist() for p in model.parameters()],
+            "noise": noise, "rank_weights": pilot.rank_weights, "replays": pilot.oom_replays,
+            "micro": pilot.loader.max_micro_batch_size}
 
 
 def _worker(rank: int, world_size: int, init_file: str, out_dir: str, kwargs: dict) -> None:
@@ -113,6 +131,16 @@ def test_unequal_shares_match_one_process_at_the_same_global_batch(tmp_path, wra
     _check_against_one_process(ranks, steps, micro, [1.0, 3.0])
 
 
+def test_out_of_memory_replay_with_unequal_shares_matches_one_process(tmp_path):
+    # Rank 1 holds 3/4 of each batch and fits at most 9 rows: its steps of more run again with smaller
+    # micro-batches (the bound agreed over ranks), rank 0's too, with the same samples and the same result.
+    steps = 16
+    ranks = _spawn(tmp_path, wrap_ddp=True, micro=None, weights=WEIGHTS, steps=steps, oom_recovery=True, oom_limit=9)
+    assert ranks[0]["replays"] == ranks[1]["replays"] >= 1
+    assert ranks[0]["micro"] == ranks[1]["micro"] <= 9
+    _check_against_one_process(ranks, steps, None, [1.0, 3.0])
+
+
 def test_weights_changed_mid_epoch_keep_exact_coverage_and_exact_gradients(tmp_path):
     steps = 24
     change_at = {3: [2.0, 1.0], 7: [1.0, 5.0], 11: [1.0, 1.0], 16: [3.0, 2.0]}
@@ -120,6 +148,44 @@ def test_weights_changed_mid_epoch_keep_exact_coverage_and_exact_gradients(tmp_p
     r0, r1 = (r["records"] for r in ranks)
     assert len(r1[4]["indices"]) == r1[4]["global_size"] // 3  # step 4 (after the change at step 3): 2:1
     _check_against_one_process(ranks, steps, 5, [3.0, 2.0])
+
+
+def _noise_worker(rank: int, world_size: int, init_file: str, out_dir: str, wrap_ddp: bool, micro) -> None:
+    """The gradient noise of a least-squares problem (weights frozen) with shares 1:3."""
+    from test_engine_stats import least_squares
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        ds, model, true_g2, true_tr = least_squares(n=60_000)
+        net = torch.nn.parallel.DistributedDataParallel(model) if wrap_ddp else model
+        pilot = batchpilot.Pilot(net, torch.optim.SGD(net.parameters(), lr=0.0), ds, batch_size=256, noise_every=1,
+                                 max_micro_batch_size=micro, rank_weights=WEIGHTS)
+        sizes = set()
+        for x, y in pilot.batches(max_steps=600):
+            sizes.add(len(x))
+            pilot.backward(0.5 * ((net(x).view(-1) - y) ** 2).mean())
+        out = {k: v for k, v in pilot.last_record.items() if k.startswith("stats/")}
+        out.update(true_g2=true_g2, true_tr=true_tr, sizes=sorted(sizes))
+        Path(out_dir, f"noise{rank}.json").write_text(json.dumps(out))
+        del pilot, net, model
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    h.finish()
+
+
+@pytest.mark.parametrize(("wrap_ddp", "micro"), [(True, None), pytest.param(False, None, marks=pytest.mark.slow),
+                                                  pytest.param(True, 40, marks=pytest.mark.slow)])
+def test_noise_scale_with_unequal_shares_matches_the_closed_form(tmp_path, wrap_ddp, micro):
+    # The small batches (each rank's micro-batches: 64 and 192 samples here) differ in size; the estimator's
+    # harmonic mean of their sizes keeps E|g_small|^2 = |G|^2 + tr(Sigma) / b_small exact. An arithmetic mean
+    # (128) would overstate tr(Sigma) by a third.
+    mp.spawn(_noise_worker, args=(2, str(tmp_path / "init"), str(tmp_path), wrap_ddp, micro), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"noise{r}.json").read_text()) for r in range(2))
+    assert {k: v for k, v in r0.items() if k != "sizes"} == {k: v for k, v in r1.items() if k != "sizes"}
+    assert max(r0["sizes"]) < min(r1["sizes"])  # rank 0's micro-batches are the smaller ones
+    assert r0["stats/grad_sq_norm"] == pytest.approx(r0["true_g2"], rel=0.1)
+    assert r0["stats/trace_cov"] == pytest.approx(r0["true_tr"], rel=0.1)
 
 
 # ---------------------------------------------------------------------------------------------- "auto"
@@ -159,7 +225,7 @@ def _auto_worker(rank: int, world_size: int, init_file: str, out_dir: str, wrap_
     h.finish()
 
 
-@pytest.mark.parametrize("wrap_ddp", [True, False])
+@pytest.mark.parametrize("wrap_ddp", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_auto_weights_find_the_speed_ratio_of_a_slowed_rank(tmp_path, wrap_ddp):
     mp.spawn(_auto_worker, args=(2, str(tmp_path / "init"), str(tmp_path), wrap_ddp), nprocs=2, join=True)
     r0, r1 = (json.loads((tmp_path / f"auto{r}.json").read_text()) for r in range(2))

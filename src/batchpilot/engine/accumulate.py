@@ -109,8 +109,8 @@ class Accumulation:
             )
         micro_batch_size = micro.size  # 0 for a ghost micro-batch
         balance = self.balance if micro_batch_size else None
-        if balance is not None and balance.forward_only:
-            balance.compute_ends(micro_batch_size)  # before a backward that may wait in DDP's all-reduce
+        if balance is not None:
+            balance.before_backward(micro_batch_size)
         per_sample = (micro_batch_size if self.mean_loss else 1) if micro_batch_size else 0
         if per_sample:
             self.step_end.losses.append((loss.detach(), per_sample))
@@ -122,8 +122,8 @@ class Accumulation:
             scaled = self.scaler.scale(scaled)
         scaled.backward()
         self._backward_done = True
-        if balance is not None and not balance.forward_only:
-            balance.compute_ends(micro_batch_size)  # no collective in this backward: it is compute only
+        if balance is not None:
+            balance.after_backward(micro_batch_size)  # (rank_weights="auto": compute time, without waits)
         if micro_batch_size:  # the micro-batch's time ends here: the noise probe's work below is not its cost
             self.meter.end_micro(micro_batch_size)
         if self.noise is not None and self.noise.measuring and micro_batch_size:
