@@ -6,7 +6,6 @@ weights (and resets them under another world size)."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -215,8 +214,16 @@ def _auto_worker(rank: int, world_size: int, init_file: str, out_dir: str, wrap_
             pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
         pilot.save_checkpoint()
         pilot.close()
-        result = {"weights": pilot.rank_weights, "changes": pilot._ranks.balancer.changes,
-                  "local": pilot.micro_batch is None}
+        result = {"weights": pilot.rank_weights, "changes": pilot._ranks.balancer.changes}
+        # Resumed on 2 ranks: "auto" continues the saved weights and estimates exactly; a fixed list is the new
+        # Pilot's own setting; None shares evenly again.
+        for setting in ("auto", [2.0, 1.0], None):
+            again = batchpilot.Pilot(net, torch.optim.SGD(net.parameters(), lr=0.01), h.make_data(), batch_size=32,
+                                     rank_weights=setting)
+            again.load_checkpoint(Path(out_dir, "ckpt"))
+            result[f"resumed {setting}"] = again.rank_weights
+            if setting == "auto":
+                result["same estimates"] = again._ranks.balancer.state_dict() == pilot._ranks.balancer.state_dict()
         Path(out_dir, f"auto{rank}.json").write_text(json.dumps(result))
         del pilot, net
     except BaseException:
@@ -236,6 +243,8 @@ def test_auto_weights_find_the_speed_ratio_of_a_slowed_rank(tmp_path, wrap_ddp):
     changes = [line for line in lines if line.get("event") == "rank_weights"]
     assert len(changes) == r0["changes"] >= 1
     assert changes[-1]["new"] == r0["weights"] and changes[0]["old"] is None
+    assert r0["resumed auto"] == r0["weights"] and r0["same estimates"]
+    assert r0["resumed [2.0, 1.0]"] == [2.0, 1.0] and r0["resumed None"] is None
     # The checkpoint holds the weights and the estimates: a one-process run resumes it with even shares.
     state = batchpilot.read_checkpoint(sorted((tmp_path / "ckpt").glob("step-*.pt"))[-1])
     assert state["loader"]["rank_weights"] == r0["weights"]
@@ -247,7 +256,6 @@ def test_auto_weights_find_the_speed_ratio_of_a_slowed_rank(tmp_path, wrap_ddp):
     assert solo.rank_weights is None
 
 
-@pytest.mark.skipif(os.environ.get("BATCHPILOT_SKIP_SLOW") == "1", reason="slow")
 def test_world_size_one_accepts_one_weight_and_auto_as_no_ops():
     for setting in ([2.5], "auto", None):
         model = h.make_model()
@@ -257,3 +265,22 @@ def test_world_size_one_accepts_one_weight_and_auto_as_no_ops():
             assert pilot.micro_batch.local_size == pilot.micro_batch.global_size
             pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
         assert pilot.rank_weights == ((2.5,) if setting == [2.5] else None)
+
+
+@pytest.mark.parametrize(("value", "words"), [
+    ([-1.0], "rank_weights[0] is -1.0"),
+    ([0.0], "finite number > 0"),
+    ([float("nan")], "rank_weights[0] is nan"),
+    ([float("inf")], "rank_weights[0] is inf"),
+    ([1.0, 2.0], "has 2 weights ([1.0, 2.0]) but world_size is 1"),
+    ("fastest", "rank_weights='fastest'"),
+    (3, "of type int"),
+])
+def test_pilot_refuses_bad_rank_weights(value, words):
+    model = h.make_model()
+    # Checked with the other settings (one ValueError listing every problem; a wrong type too), the number of
+    # weights once the world size is known.
+    with pytest.raises(ValueError) as info:
+        batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), h.make_data(), batch_size=8,
+                         rank_weights=value)
+    assert words in str(info.value)
