@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -149,3 +150,24 @@ def test_sigterm_to_one_of_two_gloo_ranks_stops_both_at_one_step_and_resume_is_e
     assert result["samples_lost"] == result["samples_repeated"] == 0
     assert result["same_sizes"] and result["same_samples_per_step"]
     assert result["max_weight_diff"] == 0.0 and result["max_loss_diff"] == 0.0
+
+
+@pytest.mark.distributed
+def test_sigterm_to_the_torchrun_agent_reaches_every_worker_and_each_saves(tmp_path):
+    """A scheduler preempting the whole job signals torchrun's agent, which SIGTERMs its workers (and SIGKILLs
+    them 30 s later): both ranks finish the step they are in, save it, and stop."""
+    elastic = load_benchmark("elastic")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
+           str(elastic.SCRIPT), str(tmp_path), "--save-on-sigterm", "--step-seconds", "0.2"]
+    agent = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        elastic.wait_for_steps(tmp_path, "steps-a0w2-r0.jsonl", 6)
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=60)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    ends = [json.loads((tmp_path / f"end-a0w2-r{r}.json").read_text()) for r in (0, 1)]
+    assert ends[0] == ends[1] and ends[0]["preempted"] and 6 <= ends[0]["step"] < 30
+    assert batchpilot.latest_checkpoint(tmp_path / "checkpoints").name == f"step-{ends[0]['step']:09d}.pt"
