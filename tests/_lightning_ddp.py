@@ -2,17 +2,23 @@
 runnable under torchrun (2 gloo ranks on CPU):
 
     torchrun --standalone --nproc-per-node 2 tests/_lightning_ddp.py OUT_DIR [--noise] [--manual]
-        [--dropout] [--save CKPT_DIR] [--resume CKPT]
+        [--dropout] [--save CKPT_DIR] [--resume CKPT] [--rank-weights W0,W1|auto] [--slow-rank1 SECONDS]
+        [--sizes S,S,...] [--samples N] [--max-steps N]
 
 Writes OUT_DIR/rank<r>.json: per optimizer step the global size and this rank's sample ids, and the final
 weights. ``--dropout``: a net with dropout, each rank's generator seeded apart; ``--save``: a checkpoint every
-3 steps; ``--resume``: the fit resumes from that checkpoint.
+3 steps; ``--resume``: the fit resumes from that checkpoint. ``--rank-weights`` passes ``rank_weights`` (each
+step then records the weights it was shared by); ``--slow-rank1 S`` makes rank 1's training step sleep S seconds
+per sample (a slower node); ``--sizes``, ``--samples`` and ``--max-steps`` replace the sizes, the dataset size and
+the step limit.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -53,6 +59,7 @@ class Model(L.LightningModule):
         self.net = make_net()
         self.steps: list[dict] = []  # one per optimizer step: size and this rank's ids
         self.validations = 0
+        self.slow = 0.0  # extra seconds per sample of each training step (a slower rank)
 
     def train_dataloader(self):
         return self.adaptive.dataloader(self.data, num_workers=self.workers, seed=1)
@@ -64,7 +71,9 @@ class Model(L.LightningModule):
         x, y, ids = batch
         micro = self.adaptive.micro_batch
         if micro.micro_index == 0:
-            self.steps.append({"size": micro.global_size, "ids": [], "epoch": micro.epoch, "micro": []})
+            self.steps.append({"size": micro.global_size, "ids": [], "epoch": micro.epoch, "micro": [],
+                               "rank_weights": self.adaptive.rank_weights})
+        time.sleep(self.slow * micro.size)
         if not micro.ghost:
             self.steps[-1]["ids"].extend(ids.tolist())
         self.steps[-1]["micro"].append([] if micro.ghost else ids.tolist())  # one list per micro-batch
@@ -119,22 +128,30 @@ def main() -> None:
     module = ManualModel if manual else Model  # manual optimization: no accumulation (Lightning's rule)
     if "--dropout" in sys.argv[2:]:
         module = DropoutModel
-    option = {name: sys.argv[sys.argv.index(name) + 1] for name in ("--save", "--resume") if name in sys.argv}
+    option = {name: sys.argv[sys.argv.index(name) + 1] for name in
+              ("--save", "--resume", "--rank-weights", "--slow-rank1", "--sizes", "--samples", "--max-steps")
+              if name in sys.argv}
+    weights = option.get("--rank-weights")
+    if weights is not None and weights != "auto":
+        weights = [float(w) for w in weights.split(",")]
+    sizes = [int(s) for s in option["--sizes"].split(",")] if "--sizes" in option else SIZES
     if noise:
         controller = StatsSpy(NOISE_SIZES)
         adaptive = AdaptiveBatchSize(controller, batch_size=4, noise_every=1)
         model = module(adaptive, make_data(NOISE_SAMPLES), val=False)
     else:
-        controller = SizeList(SIZES)
-        adaptive = AdaptiveBatchSize(controller, batch_size=4)
-        model = module(adaptive, make_data(), val=False)
+        controller = SizeList(sizes)
+        adaptive = AdaptiveBatchSize(controller, batch_size=4, rank_weights=weights)
+        model = module(adaptive, make_data(int(option.get("--samples", NUM_SAMPLES))), val=False)
     savers = [ModelCheckpoint(dirpath=option["--save"], every_n_train_steps=3, save_top_k=-1, filename="{step}")] \
         if "--save" in option else []
     trainer = L.Trainer(
         max_epochs=2, accelerator="cpu", devices=2, strategy="ddp", accumulate_grad_batches=1 if manual else 2,
         callbacks=[adaptive, *savers], logger=False, enable_checkpointing=bool(savers), enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_model_summary=False, max_steps=int(option.get("--max-steps", -1)),
     )
+    if "--slow-rank1" in option and os.environ.get("RANK") == "1":
+        model.slow = float(option["--slow-rank1"])
     trainer.fit(model, ckpt_path=option.get("--resume"))
     result = {
         "rank": trainer.global_rank,

@@ -16,8 +16,8 @@ import torch
 from ... import distributed as bpdist
 from ...data.loader import AdaptiveDataLoader, MicroBatch
 from ...engine.driver import SizeDriver
-from ...engine.rank_balance import PilotRankWeights
 from ...lr import LRCoupling
+from .._rank_shares import RankShares
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,8 @@ class HFRun:
         self.samples_at_start = 0  # samples_seen when this train() call began (its throughput counts from there)
         self.lr_anchor: int | None = None  # the LR rule's base batch size when not the first size (Auto's knee)
         self.probe_records: list[dict[str, Any]] = []  # the start probes' records (Auto, this train() call)
-        # rank_weights at work: fixed weights set on the loader, or "auto"'s balancer (engine/rank_balance.py)
-        self.shares: PilotRankWeights | None = None
+        # rank_weights at work: fixed weights set on the loader, or "auto"'s balancer (integrations/_rank_shares.py)
+        self.shares: RankShares | None = None
 
     # ------------------------------------------------------------------ progress (read by logs and users)
     @property
@@ -269,4 +269,4 @@ class HFRun:
             self.max_micro_batch_size = int(state["max_micro_batch_size"])
         self.decided = None if state.get("decided") is None else int(state["decided"])
         if self.shares is not None:  # after the loader's state, which holds the weights it shared by
-            self.shares.load_state_dict(state.get("rank_weights") or {})
+            self.shares.load_state_dict(state.get("rank_weights"))

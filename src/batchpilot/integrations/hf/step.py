@@ -153,7 +153,7 @@ class StepPasses:
             # Samples, not rows: a padding-free collator packs a micro-batch into one row (rows are samples
             # only where the micro-batch was split into passes). A ghost's borrowed row is no sample.
             own = (micro_batch_size if len(pieces) == 1 else n) if micro_batch_size else 0
-            if run.shares is not None and run.shares.balancer is not None:
+            if run.shares is not None and run.shares.timed:
                 self._timed = (run.shares, own, first and i == 0)  # compute_loss times the forward
             try:
                 with sync:
@@ -187,7 +187,7 @@ class StepPasses:
         """The forward timed by :meth:`forward_starts` returned its loss."""
         if self._timed is not None:
             shares, samples, _ = self._timed
-            shares.compute_ends(samples)
+            shares.forward_ends(samples)
 
     def _replay(self, run: HFRun, model: torch.nn.Module, error: str) -> None:
         """Drop the step's gradients and lower the pass bound to half the rows that failed."""

@@ -17,9 +17,9 @@ from transformers.trainer_utils import SaveStrategy
 
 from ...controllers.boundary import needs_gradient_stats
 from ...engine.driver import SizeDriver
-from ...engine.rank_balance import PilotRankWeights
 from ...engine.replay import keep_finished_step
 from ...lr import lr_factor
+from .._rank_shares import RankShares
 from .auto import check_auto, resolve_auto
 from .callbacks import BatchpilotCallback, SampleProgressCallback, add_logs
 from .checks import (
@@ -213,9 +213,8 @@ class AdaptiveBatchSizeTrainer(Trainer):
             max_micro_batch_size=self._bp_max_micro_batch_size,
         )
         run.driver.min_useful = world_size * args.gradient_accumulation_steps
-        run.shares = PilotRankWeights(self._bp_rank_weights, loader=loader, world_size=world_size,
-                                      rank=args.process_index, device=args.device, forward_only=True,
-                                      event=self._bp_weights_changed)
+        run.shares = RankShares(self._bp_rank_weights, loader=loader, world_size=world_size, rank=args.process_index,
+                                device=args.device, on_change=self._bp_weights_changed)
         if self._bp_measure:
             run.stats = step_stats(
                 self.model, world_size=world_size, accumulation_steps=args.gradient_accumulation_steps,
@@ -226,10 +225,10 @@ class AdaptiveBatchSizeTrainer(Trainer):
         self.batchpilot = run
         return TrainLoader(loader, args.gradient_accumulation_steps)
 
-    def _bp_weights_changed(self, kind: str, data: dict[str, Any]) -> None:
+    def _bp_weights_changed(self, old: Any, new: Any, rates: list[float | None]) -> None:
         if self.is_world_process_zero():
             logger.info("step %d: rank weights %s -> %s (samples per forward second: %s)", self.state.global_step,
-                        data["old"], data["new"], data["samples_per_compute_s"])
+                        old, new, [None if r is None else round(r, 1) for r in rates])
 
     def _prepare_train_loader(self, dataloader: torch.utils.data.DataLoader) -> Any:
         return prepare_unsharded(self.accelerator, dataloader)

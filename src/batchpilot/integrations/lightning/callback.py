@@ -3,7 +3,7 @@ the loader (loader.py), a step's end (step.py), the trainer checks (checks.py) a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from .auto import resolve_auto, start_probes
 from .checkpoint import StepStart
 from .checks import check_batch_limit, check_fixed_accumulation, validate_at_epoch_end
 from .loader import AdaptiveLoader, Fits
+from .shares import FitShares
 from .step import StepLosses, log_progress, mark_last_batch
 
 __all__ = ["AdaptiveBatchSize"]
@@ -50,10 +51,16 @@ class AdaptiveBatchSize(Callback):
             ``VarianceRule``, ``ThresholdRules``), else never. The small batches are the micro-batches of a
             step and the ranks (no extra computation), so one process needs ``accumulate_grad_batches >= 2``;
             the statistics reach the controller in ``Observation.stats`` (``stats/*``, ``perf/*``).
+        rank_weights: How each global batch is shared over the ranks: ``None`` (evenly), one positive weight per
+            rank (shares proportional to them) or ``"auto"`` (from each rank's forward time per sample, re-estimated
+            every 10 steps, agreed through rank 0; see docs/integrations-lightning.md). :meth:`weight` keeps the
+            gradient the mean over the global batch whatever the shares.
 
     Raises:
         ValueError: invalid settings (all problems in one message); at the start of training, a controller
-            that reads gradient statistics with one process and ``accumulate_grad_batches=1``.
+            that reads gradient statistics with one process and ``accumulate_grad_batches=1``, or fixed
+            ``rank_weights`` of another length than the world size.
+        TypeError: ``rank_weights`` is not ``None``, ``"auto"`` or a list of numbers.
     """
 
     def __init__(
@@ -67,6 +74,7 @@ class AdaptiveBatchSize(Callback):
         on_invalid: str = "raise",
         log: bool = True,
         noise_every: int | None = None,
+        rank_weights: str | Sequence[float] | None = None,
     ) -> None:
         controller, first_size = resolve_auto(controller, batch_size)  # "auto": Auto's min_size until the probes
         self.initial_batch_size: int = first_size
@@ -78,6 +86,7 @@ class AdaptiveBatchSize(Callback):
         if noise_every is not None:
             check_positive_int(noise_every, "noise_every")
         self.noise_every = noise_every
+        self._shares = FitShares(rank_weights)
         self._measure = noise_every is not None or needs_gradient_stats(self.driver.controller)
         self.stats: StepStats | None = None  # built at the start of training when measuring
         self._module: Any = None  # the LightningModule of the current fit
@@ -168,11 +177,17 @@ class AdaptiveBatchSize(Callback):
         """Return ``loss * loss_weight`` from ``training_step`` to make each optimizer step's gradient the
         mean over its global batch, whatever the split; ``loss`` is the micro-batch's mean loss (also what
         the controller's loss history records). Without it every micro-batch counts equally, which differs
-        only when shares are uneven (by at most one sample) or for a ghost micro-batch at an epoch's end."""
+        when shares are uneven (by one sample, or by ``rank_weights``) and for a ghost micro-batch at an epoch's end."""
         micro = self.micro_batch
         if micro is not None and micro.size:
             self._losses.record(loss)
         return loss * self.loss_weight
+
+    @property
+    def rank_weights(self) -> tuple[float, ...] | None:
+        """The weights the next global batches are shared by over the ranks (``None``: evenly)."""
+        loader = None if self._loader is None else self._loader.built_for_this_fit()
+        return None if loader is None else loader.sampler.rank_weights
 
     @property
     @_eager
@@ -213,6 +228,7 @@ class AdaptiveBatchSize(Callback):
         check_batch_limit(trainer)
         validate_at_epoch_end(trainer)
         check_fixed_accumulation(trainer, self._loader.built_for_this_fit())
+        self._shares.start(trainer, pl_module.device, self._loader.loader)  # rank_weights: this fit's loader and ranks
         if auto_controller(self.driver.controller) is not None:
             start_probes(self, trainer, pl_module)  # batch_size="auto": start at the knee with the found LR
             self.driver.start_clock()  # the probes' time is not the first step's
@@ -247,10 +263,16 @@ class AdaptiveBatchSize(Callback):
             mark_last_batch(trainer)  # this step completes the epoch: Lightning's own "last batch"
         if micro.micro_index == 0:
             self._step_start.begin(trainer, pl_module.device)
+        self._shares.forward_starts(micro)  # rank_weights="auto": this rank's forward time per sample
         if self.stats is not None:
             if micro.micro_index == 0:
                 self.stats.begin_step(self.driver.step, micro.global_size, self.driver.num_samples)
             self.stats.begin_micro()
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        micro = self.micro_batch
+        if micro is not None:
+            self._shares.forward_ends(micro)
 
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
         micro = self.micro_batch
@@ -297,6 +319,7 @@ class AdaptiveBatchSize(Callback):
         num_samples = loader.sampler.num_samples
         decided = self.driver.decide(loader.batch_size, epoch=epoch, coverage=offset / num_samples, stats=stats)
         loader.set_batch_size(decided)
+        self._shares.after_step(self.driver.step, loader)  # every rank, every step ("auto": a collective when due)
         if self.log_progress:
             log_progress(pl_module, micro, coverage=offset / num_samples, samples_seen=self.driver.samples_seen,
                          num_samples=num_samples, stats=stats)
@@ -328,7 +351,8 @@ class AdaptiveBatchSize(Callback):
         """
         stats = self.stats.state_dict() if self.stats is not None else self._stats_state
         loader = self._loader_state if self._loader is None else self._loader.saved_state()
-        return {"driver": self.driver.state_dict(), "stats": stats, "loader": loader}
+        return {"driver": self.driver.state_dict(), "stats": stats, "loader": loader,
+                "rank_weights": self._shares.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (Lightning calls it when resuming from a checkpoint)."""
@@ -337,6 +361,7 @@ class AdaptiveBatchSize(Callback):
         if self.stats is not None and self._stats_state is not None:
             self.stats.load_state_dict(self._stats_state)
         self._loader_state = state_dict.get("loader")  # absent in checkpoints saved before it was kept here
+        self._shares.load_state_dict(state_dict.get("rank_weights"))
         self._fits.restored = self._fits.number
         if self._loader_state is not None and self._loader is not None:
             self._loader.load_state_dict(self._loader_state)
