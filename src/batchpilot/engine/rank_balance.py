@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -183,6 +184,17 @@ class RankBalancer:
         self.next_step = int(state.get("next_step", self.every))
 
 
+def _call(method: weakref.WeakMethod) -> None:
+    bound = method()
+    if bound is not None:
+        bound()
+
+
+def _remove(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+
+
 def _mean_one(values: Sequence[float]) -> RankWeights:
     """``values`` scaled to mean 1."""
     mean = sum(values) / len(values)
@@ -213,8 +225,11 @@ class PilotRankWeights:
         self._started = 0.0
         self._last_grad: float | None = None  # (CPU) when the backward's last gradient was accumulated
         if self.balancer is not None and not self.timer.cuda:
-            for p in params:  # the backward's compute ends with its last gradient, before DDP waits for the sync
-                p.register_post_accumulate_grad_hook(self._grad_ready)
+            # The backward's compute ends with its last gradient, before DDP waits for the sync. The hooks hold
+            # this part weakly and go when it goes (a later Pilot on the same model adds its own).
+            ready = weakref.WeakMethod(self._grad_ready)
+            handles = [p.register_post_accumulate_grad_hook(lambda _, ready=ready: _call(ready)) for p in params]
+            weakref.finalize(self, _remove, handles)
         if isinstance(self.setting, tuple):
             loader.set_rank_weights(self.setting)
 
@@ -231,7 +246,7 @@ class PilotRankWeights:
         return part
 
     # ---------------------------------------------------------------- timings (from the accumulation)
-    def _grad_ready(self, _: torch.Tensor) -> None:
+    def _grad_ready(self) -> None:
         self._last_grad = time.perf_counter()
 
     def forward_starts(self, first: bool) -> None:
