@@ -71,3 +71,100 @@ def hook_steps(rank: int, world_size: int, init_file: str, out_dir: str, steps: 
                 "step": state.step, "compressed_steps": state.compressed_steps, "state": saved},
                os.path.join(out_dir, f"rank{rank}.pt"))
     leave()
+
+
+# ---------------------------------------------------------------------------------------------- Pilot runs
+def make_data(n: int = 192) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 8, generator=g)
+    y = (x[:, 0] - 0.5 * x[:, 3] + 0.3 * x[:, 5] > 0).long()
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def make_pilot(compression, **settings):
+    import batchpilot
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    settings.setdefault("system_every", None)
+    return batchpilot.Pilot(ddp, opt, make_data(), batch_size=32, compression=compression, seed=3, **settings), ddp
+
+
+def pilot_run(compression, *, steps: int, resume_from: str | None = None, save_to: str | None = None,
+              **settings) -> dict:
+    """Train a small classifier under DDP with a Pilot for ``steps`` steps in all (after ``resume_from``);
+    return its weights, step losses, last noise values, and the hook's counters."""
+    pilot, ddp = make_pilot(compression, **settings)
+    if resume_from is not None:
+        pilot.load_checkpoint(resume_from)
+    losses: list[float] = []
+    pilot.add_callback(lambda p, record: losses.append(record["loss"]))
+    for x, y in pilot.batches(max_steps=steps):
+        pilot.backward(torch.nn.functional.cross_entropy(ddp(x), y))
+    part = pilot._state.parts["compression"]
+    hook_state = None if part is None else part.state
+    if save_to is not None:
+        pilot.save_checkpoint(save_to)
+    x, y = make_data().tensors
+    with torch.no_grad():
+        full_loss = float(torch.nn.functional.cross_entropy(ddp.module(x), y))
+    return {"weights": [p.detach().clone() for p in ddp.module.parameters()], "losses": losses,
+            "noise": {k: v for k, v in pilot.last_record.items() if k.startswith("stats/")},
+            "full_loss": full_loss, "compressed_steps": getattr(hook_state, "compressed_steps", None),
+            "hook_step": getattr(hook_state, "step", None), "wire_bytes": getattr(hook_state, "wire_bytes", None),
+            "full_bytes": getattr(hook_state, "full_bytes", None)}
+
+
+def pilot_scenarios(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    """The Pilot scenarios of tests/distributed/test_compression_pilot.py, in one process group."""
+    from batchpilot.distributed.compression import OneBitState
+
+    init(rank, world_size, init_file)
+    ckpt = os.path.join(out_dir, "ckpt.pt")
+    out: dict = {}
+    # Resume: 12 steps at once, or 6, a checkpoint, a new Pilot, 6 more (noise measured on every 4th step).
+    out["straight"] = pilot_run(OneBitState(warmup_steps=2).hook, steps=12, noise_every=4)
+    pilot_run(OneBitState(warmup_steps=2).hook, steps=6, noise_every=4, save_to=ckpt)
+    out["resumed"] = pilot_run(OneBitState(warmup_steps=2).hook, steps=12, noise_every=4, resume_from=ckpt)
+    # Statistics: measured steps are reduced in full precision, so measuring every step equals no compression.
+    out["plain_every_step"] = pilot_run(None, steps=8, noise_every=1)
+    out["1bit_every_step"] = pilot_run("1bit", steps=8, noise_every=1)
+    # Convergence.
+    out["plain"] = pilot_run(None, steps=60)
+    out["1bit"] = pilot_run("1bit", steps=60)
+    # Gradient accumulation (no_sync on all micro-batches but the last): one hook step per optimizer step.
+    out["accumulated"] = pilot_run("1bit", steps=5, max_micro_batch_size=8)
+    # fp16 loss scaling: when the GradScaler's scale changes, the error buffers (scaled residuals) follow it.
+    pilot, ddp = make_pilot(OneBitState(warmup_steps=0).hook, amp="fp16")
+    for x, y in pilot.batches(max_steps=3):
+        pilot.backward(torch.nn.functional.cross_entropy(ddp(x), y))
+    part = pilot._state.parts["compression"]
+    before = part.state.state_dict()["worker_error"]
+    pilot.scaler.update(new_scale=pilot.scaler.get_scale() / 4)
+    part.after_step(pilot, {})
+    out["fp16_rescaled"] = (before, part.state.state_dict()["worker_error"])
+    # Refused: with oom_recovery (the engine reduces, DDP's hook never runs); a DDP model with its own hook.
+    errors = {}
+    try:
+        make_pilot("1bit", oom_recovery=True)
+    except ValueError as exc:
+        errors["oom_recovery"] = str(exc)
+    try:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+        import batchpilot
+
+        model = torch.nn.Linear(8, 2)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp.register_comm_hook(None, fp16_compress_hook)
+        batchpilot.Pilot(ddp, torch.optim.SGD(model.parameters(), lr=0.1), make_data(), batch_size=8,
+                         compression="1bit")
+    except ValueError as exc:
+        errors["own_hook"] = str(exc)
+    out["errors"] = errors
+    if rank == 0:
+        out["checkpoint"] = torch.load(ckpt, weights_only=False)["state"]["compression"]
+    torch.save(out, os.path.join(out_dir, f"pilot{rank}.pt"))
+    leave()

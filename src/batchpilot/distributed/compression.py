@@ -156,6 +156,18 @@ class OneBitState:
         self.bind(ddp_model.module)
         ddp_model.register_comm_hook(self, one_bit_hook)
 
+    def hook(self, process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """:func:`one_bit_hook` with this state, as a hook ``hook(state, bucket)`` whose own ``state`` argument is
+        ignored: ``Pilot(..., compression=OneBitState(warmup_steps=50).hook)``."""
+        return one_bit_hook(self, bucket)
+
+    def rescale_errors(self, factor: float) -> None:
+        """Multiply the error buffers by ``factor`` (the gradients' scale changed: an fp16 GradScaler's loss scale
+        went from ``s`` to ``factor * s``; exact for its powers of two)."""
+        for errors in (self._worker, self._server):
+            for e in errors.values():
+                e.mul_(factor)
+
     def world_size(self) -> int:
         """Ranks in the process group."""
         return dist.get_world_size(self.process_group)

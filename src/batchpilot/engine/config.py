@@ -28,6 +28,7 @@ from .._validation import (
 from ..controllers.boundary import check_controller
 from ..data.shares import check_rank_weights
 from ..lr import check_rule
+from .compression_setup import check_compression
 from .guard import check_rollback_settings
 
 
@@ -275,6 +276,7 @@ def checked(config: PilotConfig, *, batch_size: Any, controller: Any, optimizer:
         lr_schedulers=lambda: _check_schedulers(lr.lr_schedulers, optimizer),
         lr_rule=lambda: check_rule(lr.lr_rule, "lr_rule", also=("auto", "adascale")),  # the message names every rule
         lr_knee=lambda: check_positive_int(lr.lr_knee, "lr_knee"),
+        compression=lambda: check_compression(config.distributed.compression),
         rank_weights=lambda: check_rank_weights(config.distributed.rank_weights, config.distributed.world_size),
     )
     if not problems and ckpt.checkpoint_every is not None and ckpt.checkpoint_dir is None:

@@ -26,6 +26,7 @@ from ..data.loader import AdaptiveDataLoader, MicroBatch
 from ..logs import ProgressBar
 from ..measure import StepMeter, engine_probe
 from .accumulate import Accumulation
+from .compression_setup import setup_compression
 from .config import checked, merge_settings, stop_samples
 from .driver import Decisions, SizeDriver
 from .finish import finish_step
@@ -121,6 +122,7 @@ class Pilot:
             log_clamp=lambda saved, bounded, note: self._decisions.record(saved, bounded, "user", note,
                                                                           self.last_record))
         self._state.parts["guard"] = self._guard  # its rollbacks, back-off and open watch window are state too
+        self._state.parts["compression"] = setup_compression(self)  # its hook's state (engine/compression_setup.py)
         self._decisions = Decisions(self.driver, self.loader, log=self._log.decision,
                                     on_failure=lambda error: self._state.keep_finished_step(error, self.state_dict))
         self.skipped_steps = 0

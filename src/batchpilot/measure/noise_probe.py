@@ -113,6 +113,9 @@ class GradientNoiseProbe:
         self._index = {id(p): i for i, p in enumerate(params)}
         # Last micro-batch's local |increment|^2, seen by the DDP hook (a device tensor on a GPU).
         self._hook_sq: float | torch.Tensor | None = None
+        # Measurements cost a full-precision all-reduce (a compression hook, see attach_comm_hook): the adaptive
+        # period then measures no more often than a split step (MIN_SPLIT_PERIOD).
+        self.costly = False
         self.seconds = 0.0  # time spent measuring, for the overhead report
 
     @property
@@ -134,9 +137,10 @@ class GradientNoiseProbe:
             return None
         return self.splits if self.adaptive else self.every
 
-    def splits(self, step: int) -> bool:
-        """Whether step ``step`` must be split to be measured, at the current period (ask between steps)."""
-        if not self._split:
+    def splits(self, step: int, costly: bool = False) -> bool:
+        """Whether step ``step`` must be split to be measured, at the current period (ask between steps);
+        ``costly``: whether a step whose measurement costs as much as a split (see :attr:`costly`) is measured."""
+        if not (self._split or costly):
             return False
         period = max(self.every, MIN_SPLIT_PERIOD) if self.adaptive else self.every
         return step % period == 0
@@ -160,28 +164,21 @@ class GradientNoiseProbe:
         the ranks are the small batches for free and no measured step is split.
 
         The hook adds the squared norm of the rank-local gradient increment (the bucket before the
-        reduction) on measured steps, then averages over ranks exactly as DDP's default does. DDP allows one
-        hook per model, so the hook reads the model's current probe: a later probe on the same model (a second
+        reduction) on measured steps, then averages over ranks exactly as DDP's default does, or through the
+        compression hook :func:`attach_comm_hook` set (in full precision on measured steps). DDP allows one hook
+        per model, so the hook reads the model's current probe: a later probe on the same model (a second
         ``train()`` or ``fit()``) takes the hook over. Returns ``False`` (and the probe keeps splitting) if
         the model already has another communication hook.
         """
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        if getattr(ddp_model, "_batchpilot_probe", None) is not None:  # our hook is there: hand it over
-            ddp_model._batchpilot_probe = self
-            self._split = False
-            return True
-
-        def hook(state, bucket):  # no annotations: DDP checks them
-            ddp_model._batchpilot_probe._read_bucket(bucket)
-            return allreduce_hook(state, bucket)
-
-        try:
-            ddp_model.register_comm_hook(ddp_model.process_group, hook)  # DDP's own group, not always WORLD
-        except RuntimeError:  # a hook is registered already: DDP allows one
-            return False
+        if not getattr(ddp_model, "_batchpilot_hooked", False):
+            try:
+                _register_dispatcher(ddp_model)
+            except RuntimeError:  # a hook is registered already: DDP allows one
+                return False
         ddp_model._batchpilot_probe = self
         self._split = False
+        # A measured step is sent in full precision: with a compression hook it costs what a split step costs.
+        self.costly = getattr(ddp_model, "_batchpilot_comm", None) is not None
         return True
 
     def _read_bucket(self, bucket: Any) -> None:
@@ -200,8 +197,8 @@ class GradientNoiseProbe:
         on this rank, equally on every rank), so the adaptive period may measure it without a split."""
         self._step = step_index
         if self.adaptive:
-            free = small_batches or not self._split
-            self.measuring = step_index % self.every == 0 if free else self.splits(step_index)
+            free = (small_batches or not self._split) and not self.costly
+            self.measuring = step_index % self.every == 0 if free else self.splits(step_index, costly=self.costly)
         else:
             self.measuring = step_index % self.every == 0
         self._sq_norms.clear()
@@ -291,7 +288,7 @@ class GradientNoiseProbe:
         doubled = self.every * 2
         if doubled > MAX_PERIOD:
             return self.every
-        gap = max(doubled, MIN_SPLIT_PERIOD) if self._split else doubled  # a split step's shortest period
+        gap = max(doubled, MIN_SPLIT_PERIOD) if self._split or self.costly else doubled  # a split's shortest period
         d = DECAY_PER_STEP**gap
         later = est.relative_error_at((1 + d) / (1 - d))
         return doubled if later is not None and later <= DOUBLE_MARGIN * self.target_error else self.every
@@ -328,6 +325,54 @@ class GradientNoiseProbe:
         self.estimator.load_state_dict(state["estimator"])
         self.every, self.adaptive, self._last_update = every, bool(state.get("adaptive", False)), last
         self._values = {}
+
+
+def _register_dispatcher(ddp_model: Any) -> None:
+    """Register batchpilot's one communication hook on ``ddp_model`` (DDP allows one): it lets the model's noise
+    probe (``ddp_model._batchpilot_probe``) read the local bucket, then reduces through the compression hook set by
+    :func:`attach_comm_hook` (``ddp_model._batchpilot_comm``) or, without one, as DDP's default does. On a step
+    the probe measures, the reduction is in full precision: a hook state with a ``full_precision`` attribute is
+    told so (its step counter and buffers go on), any other hook is bypassed for DDP's default all-reduce. The
+    statistics thus read the same gradients as without compression.
+
+    Raises:
+        RuntimeError: the model has another communication hook (DDP's own error).
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    def hook(state, bucket):  # no annotations: DDP checks them
+        probe = getattr(ddp_model, "_batchpilot_probe", None)
+        measuring = probe is not None and probe.measuring
+        if measuring:
+            probe._read_bucket(bucket)
+        comm = getattr(ddp_model, "_batchpilot_comm", None)
+        if comm is None:
+            return allreduce_hook(state, bucket)
+        comm_state, comm_hook = comm
+        if hasattr(comm_state, "full_precision"):
+            comm_state.full_precision = measuring
+        elif measuring:
+            return allreduce_hook(state, bucket)
+        return comm_hook(comm_state, bucket)
+
+    ddp_model.register_comm_hook(ddp_model.process_group, hook)  # DDP's own group, not always WORLD
+    ddp_model._batchpilot_hooked = True
+
+
+def attach_comm_hook(ddp_model: Any, state: Any, hook: Callable[[Any, Any], Any]) -> None:
+    """Reduce ``ddp_model``'s gradients through ``hook(state, bucket)`` (a DDP communication hook), behind the
+    noise probe's reading of the local gradient (:func:`_register_dispatcher`); a probe attached to the model
+    then measures no more often than a split step (:attr:`GradientNoiseProbe.costly`).
+
+    Raises:
+        RuntimeError: the model has a communication hook that is not batchpilot's.
+    """
+    if not getattr(ddp_model, "_batchpilot_hooked", False):
+        _register_dispatcher(ddp_model)
+    ddp_model._batchpilot_comm = (state, hook)
+    probe = getattr(ddp_model, "_batchpilot_probe", None)
+    if probe is not None:
+        probe.costly = True
 
 
 def engine_probe(params: list[torch.nn.Parameter], every: int | None, *, needed: bool, ranks_are_small_batches: bool,
