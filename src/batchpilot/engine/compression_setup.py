@@ -9,8 +9,6 @@ Pilot's checkpoint; with an fp16 ``GradScaler`` its error buffers follow the los
 
 from __future__ import annotations
 
-import importlib
-import inspect
 from typing import Any
 
 from ..distributed.compression import OneBitState
@@ -81,10 +79,9 @@ def _hook_of(value: Any, ddp_model: Any) -> tuple[Any, Any]:
         state: Any = OneBitState(group)
         return state, state.hook
     if value == "auto":
-        AdaptiveCompression = importlib.import_module("batchpilot.distributed.adaptive_compression").AdaptiveCompression
+        from ..distributed.adaptive_compression import AdaptiveCompression  # (imported when used: PowerSGD's hooks)
 
-        accepts_group = "process_group" in inspect.signature(AdaptiveCompression).parameters
-        state = AdaptiveCompression(process_group=group) if accepts_group else AdaptiveCompression()
+        state = AdaptiveCompression(group)
         return state, state.hook
     owner = getattr(value, "__self__", None)
     if owner is not None and hasattr(owner, "state_dict"):
