@@ -92,7 +92,8 @@ def main() -> None:
     if opts.noise:
         controller = StatsSpy(NOISE_SIZES)
         trainer = AdaptiveBatchSizeTrainer(batch_size_scheduler=controller, model=model, args=args, noise_every=1,
-                                           train_dataset=PointSet(NOISE_SAMPLES), max_micro_batch_size=opts.max_micro)
+                                           train_dataset=PointSet(NOISE_SAMPLES), max_micro_batch_size=opts.max_micro,
+                                           rank_weights=weights)
     else:
         controller = SizeList(sizes)
         trainer = AdaptiveBatchSizeTrainer(batch_size_scheduler=controller, model=model, args=args,

@@ -137,7 +137,7 @@ def main() -> None:
     sizes = [int(s) for s in option["--sizes"].split(",")] if "--sizes" in option else SIZES
     if noise:
         controller = StatsSpy(NOISE_SIZES)
-        adaptive = AdaptiveBatchSize(controller, batch_size=4, noise_every=1)
+        adaptive = AdaptiveBatchSize(controller, batch_size=4, noise_every=1, rank_weights=weights)
         model = module(adaptive, make_data(NOISE_SAMPLES), val=False)
     else:
         controller = SizeList(sizes)

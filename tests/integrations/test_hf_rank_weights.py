@@ -19,8 +19,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from _hf_common import PointSet, Recorder, SizeList
-from _hf_helpers import quiet_args, sgd_reference
+from _hf_common import PointSet, Recorder, SizeList, check_noise_by_hand
+from _hf_helpers import quiet_args, recorder_loss, sgd_reference
 from transformers import TrainingArguments
 
 from batchpilot.data.shares import share_bounds
@@ -103,6 +103,20 @@ def test_auto_rank_weights_move_samples_off_a_slow_rank_and_resume(tmp_path):
         assert [(s["size"], s["ids"], s["rank_weights"]) for s in clean["steps"][12:]] == \
             [(s["size"], s["ids"], s["rank_weights"]) for s in again["steps"]]
         assert clean["weights"] == again["weights"]
+
+
+@pytest.mark.distributed
+def test_the_noise_scale_from_uneven_shares_equals_the_estimate_by_hand(tmp_path):
+    """Weights 2:3, every step measured: the four micro-batches of a step (two per rank, of unequal sizes) are the
+    small batches; what rank 0's controller saw equals the two-batch estimate computed by hand (sizes weighted)."""
+    ranks = torchrun(tmp_path, "--noise", "--rank-weights", "2,3")
+    steps = ranks[0]["steps"]
+    micro = [[ids for r in ranks for ids in r["micro"][2 * k:2 * k + 2]] for k in range(len(steps))]
+    assert [sum(map(len, m)) for m in micro] == [s["size"] for s in steps]
+    shares = [(len(m[0]) + len(m[1]), len(m[2]) + len(m[3])) for m in micro]
+    assert all(a <= b for a, b in shares) and any(a < b for a, b in shares)  # rank 1's share is the larger
+    reference = Recorder()
+    check_noise_by_hand(micro, ranks[0]["stats"], reference, recorder_loss(reference, PointSet(64)), 64)
 
 
 @pytest.mark.parametrize(("value", "error", "message"), [

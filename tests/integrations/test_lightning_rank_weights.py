@@ -17,7 +17,8 @@ import torch
 
 L = pytest.importorskip("lightning")
 
-from _lightning_ddp import Model, make_data, make_net  # noqa: E402
+from _hf_common import check_noise_by_hand  # noqa: E402
+from _lightning_ddp import NOISE_SAMPLES, Model, make_data, make_net  # noqa: E402
 
 from batchpilot.data.shares import share_bounds  # noqa: E402
 from batchpilot.integrations.lightning import AdaptiveBatchSize  # noqa: E402
@@ -100,6 +101,21 @@ def test_auto_rank_weights_move_samples_off_a_slow_rank_and_resume(tmp_path):
         assert [(s["size"], s["ids"], s["rank_weights"]) for s in clean["steps"][12:]] == \
             [(s["size"], s["ids"], s["rank_weights"]) for s in again["steps"]]
         assert clean["weights"] == again["weights"]
+
+
+@pytest.mark.distributed
+def test_the_noise_scale_from_uneven_shares_equals_the_estimate_by_hand(tmp_path):
+    """Weights 2:3, every step measured: the four micro-batches of a step (two per rank, of unequal sizes; each
+    rank's last read inside DDP's all-reduce) are the small batches; rank 0's controller saw the by-hand estimate."""
+    ranks = torchrun(tmp_path, "--noise", "--rank-weights", "2,3")
+    micro = [a["micro"] + b["micro"] for a, b in zip(ranks[0]["steps"], ranks[1]["steps"])]
+    shares = [(len(m[0]) + len(m[1]), len(m[2]) + len(m[3])) for m in micro]
+    assert all(a <= b for a, b in shares) and any(a < b for a, b in shares)  # rank 1's share is the larger
+    net = make_net()
+    x, y, _ = make_data(NOISE_SAMPLES).tensors
+    check_noise_by_hand(micro, ranks[0]["stats"], net,
+                        lambda ids: torch.nn.functional.cross_entropy(net(x[torch.tensor(ids)]), y[torch.tensor(ids)]),
+                        NOISE_SAMPLES)
 
 
 @pytest.mark.parametrize(("value", "error", "message"), [
