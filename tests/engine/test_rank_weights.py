@@ -114,7 +114,8 @@ def _check_against_one_process(ranks: list[dict], steps: int, micro: int | None,
 
 
 @pytest.mark.parametrize(("wrap_ddp", "micro", "oom_recovery"),
-                         [(True, None, False), (False, 3, False), (True, 4, False), (True, 4, True)])
+                         [(True, None, False), (False, 3, False), (True, 4, False),
+                          pytest.param(True, 4, True, marks=pytest.mark.slow)])
 def test_unequal_shares_match_one_process_at_the_same_global_batch(tmp_path, wrap_ddp, micro, oom_recovery):
     steps = 24  # > 2 epochs of 101 samples, with final batches of 1 and 2 samples (ghosts on rank 0)
     ranks = _spawn(tmp_path, wrap_ddp=wrap_ddp, micro=micro, weights=WEIGHTS, steps=steps, oom_recovery=oom_recovery)
