@@ -401,6 +401,23 @@ def test_goodput_micro_batch_limit_and_ranks():
     assert overhead.last_table[50] == pytest.approx(50 / 1.125, rel=1e-9)
 
 
+def test_goodput_uneven_rank_weights_time_rank_0s_share():
+    # a = 0.1 s, b = 1e-3 s/sample (goodput_obs). Weights 3:1 give rank 0 (whose times are measured) 3/4 of the
+    # batch: 200 -> 150 samples there, 0.25 s, not the 0.2 s of an even split.
+    from batchpilot.controllers.goodput import step_time
+    assert step_time(200, 0.1, 1e-3, world_size=2) == pytest.approx(0.2)
+    assert step_time(200, 0.1, 1e-3, world_size=4 / 3) == pytest.approx(0.25)
+    ctrl = Goodput(50, 200, candidates=3, interval=1, max_change=None, min_measurements=0)
+    ctrl.decide(goodput_obs(1, 100, phi=1e12, **{"dist/world_size": 2, "dist/lead_share": 0.75}))
+    assert ctrl.last_table[200] == pytest.approx(200 / 0.25, rel=1e-6)
+
+
+def test_observed_stats_carry_rank_0s_share_only_for_uneven_weights():
+    from batchpilot.engine.driver import observed_stats
+    assert "dist/lead_share" not in observed_stats({}, world_size=2, max_micro_batch_size=None)
+    assert observed_stats({}, world_size=2, max_micro_batch_size=None, rank_weights=(3.0, 1.0))["dist/lead_share"] == 0.75
+
+
 def test_goodput_missing_inputs_keep_and_retry():
     ctrl = Goodput(25, 400, candidates=5, interval=10, base_size=100, max_change=None, min_measurements=0)
     assert ctrl.decide(obs(10, 400, PERF)) == 400

@@ -30,23 +30,25 @@ B_KEY = "perf/micro_time_b_s"
 OVERHEAD_KEY = "perf/step_overhead_s"
 MAX_MICRO_KEY = "perf/max_micro_batch_size"
 WORLD_KEY = "dist/world_size"
+LEAD_SHARE_KEY = "dist/lead_share"
 ACCUM_KEY = "perf/accumulation_steps"  # a fixed number of micro-batches per step (the HF / Lightning loops)
 
 
 def step_time(
-    batch_size: int, a: float, b: float, overhead: float = 0.0, max_micro: int | None = None, world_size: int = 1,
-    fixed_accum: int | None = None,
+    batch_size: int, a: float, b: float, overhead: float = 0.0, max_micro: int | None = None,
+    world_size: int | float = 1, fixed_accum: int | None = None,
 ) -> float:
     """Predicted seconds of one optimizer step at global batch ``batch_size`` (the engine's throughput model).
 
-    Each of ``world_size`` ranks takes ``local = ceil(B / W)`` samples. The training loop cuts them into
+    Each of ``world_size`` ranks takes ``local = ceil(B / W)`` samples (with uneven ``rank_weights``, ``W`` is
+    ``1 / share`` of rank 0, whose step times the model fits, and may be fractional). The training loop cuts them into
     ``fixed_accum`` micro-batches (Trainer's ``gradient_accumulation_steps``; 1 when ``None``) of
     ``ceil(local / fixed_accum)`` samples, and each of those into ``ceil(that / max_micro)`` passes (1 when
     ``max_micro`` is ``None``): ``accum`` forward/backward passes of ``m`` samples in all (for ``Pilot``,
     ``accum = ceil(local / max_micro)``, ``m = ceil(local / accum)``). A pass costs ``a + b * m`` seconds, and
     the step ``overhead + accum * (a + b * m)``.
     """
-    local = -(-batch_size // world_size)
+    local = -(-batch_size // world_size) if isinstance(world_size, int) else max(1, math.ceil(batch_size / world_size))
     loop = fixed_accum or 1
     per_loop = -(-local // loop)
     passes = 1 if max_micro is None else -(-per_loop // max_micro)
@@ -197,7 +199,7 @@ class Goodput:
         self.reason = f"{prefix} <= 1 + {fmt(self.switch_threshold)}; kept {global_batch_size}"
         return global_batch_size
 
-    def _throughput_model(self, obs: Observation) -> tuple[float, float, float, int | None, int, int | None] | str:
+    def _throughput_model(self, obs: Observation) -> tuple[float, float, float, int | None, int | float, int | None] | str:
         """``(a, b, overhead, max_micro, world_size, fixed_accum)`` from ``obs.stats``, or a text saying what is
         missing."""
         a, b = read_stat(obs, A_KEY), read_stat(obs, B_KEY)
@@ -211,7 +213,10 @@ class Goodput:
             return f"throughput model predicts zero step time ({A_KEY}={a}, {B_KEY}={b}, {OVERHEAD_KEY}={overhead})"
         a, b, overhead = max(a, 0.0), max(b, 0.0), max(overhead or 0.0, 0.0)
         micro = None if max_micro is None or max_micro < 1 else int(max_micro)
-        world_size = 1 if world is None or world < 1 else int(world)
+        world_size: int | float = 1 if world is None or world < 1 else int(world)
+        share = read_stat(obs, LEAD_SHARE_KEY)  # uneven rank_weights: rank 0 takes this share of each batch
+        if share is not None and 0.0 < share < 1.0:
+            world_size = 1.0 / share
         accum = read_stat(obs, ACCUM_KEY)
         return a, b, overhead, micro, world_size, None if accum is None or accum < 1 else int(accum)
 

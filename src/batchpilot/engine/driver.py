@@ -13,7 +13,7 @@ import collections
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
@@ -60,11 +60,15 @@ class BackOff:
         return size >= self.failed_size if grew else size <= self.failed_size
 
 
-def observed_stats(record: Mapping[str, Any], *, world_size: int, max_micro_batch_size: int | None) -> dict[str, Any]:
+def observed_stats(record: Mapping[str, Any], *, world_size: int, max_micro_batch_size: int | None,
+                   rank_weights: Sequence[float] | None = None) -> dict[str, Any]:
     """The ``stats`` a controller observes after a step: the step record's statistics (``stats/``, ``grad/``,
-    ``perf/``, ``system/``), the world size, and the micro-batch bound when there is one."""
+    ``perf/``, ``system/``), the world size, rank 0's share of the global batch when ``rank_weights`` make the
+    shares uneven (its step times are the ones measured), and the micro-batch bound when there is one."""
     stats = {k: v for k, v in record.items() if k.startswith(("stats/", "grad/", "perf/", "system/"))}
     stats["dist/world_size"] = world_size
+    if rank_weights is not None and len(rank_weights) == world_size > 1:
+        stats["dist/lead_share"] = float(rank_weights[0]) / float(sum(rank_weights))
     if max_micro_batch_size is not None:
         stats["perf/max_micro_batch_size"] = max_micro_batch_size
     return stats
@@ -353,7 +357,8 @@ class Decisions:
         if override is None and not driver.due():
             return None  # nothing decides after this step: no observation to build (the common case's cost)
         stats = observed_stats(record, world_size=driver.world_size or 1,
-                               max_micro_batch_size=self.loader.max_micro_batch_size)
+                               max_micro_batch_size=self.loader.max_micro_batch_size,
+                               rank_weights=self.loader.sampler.rank_weights)
         decided = driver.next_size(global_batch_size, epoch=record["epoch"], coverage=record["coverage"], stats=stats,
                                    override=override, on_failure=self.on_failure)
         if decided is not None:
