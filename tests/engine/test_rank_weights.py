@@ -285,3 +285,19 @@ def test_pilot_refuses_bad_rank_weights(value, words):
         batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), h.make_data(), batch_size=8,
                          rank_weights=value)
     assert words in str(info.value)
+
+
+def test_a_checkpoint_from_before_rank_weights_resumes_with_this_pilots_fixed_weights():
+    # A state without the "rank_weights" part (saved before it existed): the loader's state shares evenly, and the
+    # part still applies this Pilot's fixed setting instead of leaving the shares even.
+    from batchpilot.data.loader import AdaptiveDataLoader
+    from batchpilot.engine.rank_balance import PilotRankWeights
+    from batchpilot.engine.state import load_parts
+
+    loader = AdaptiveDataLoader(list(range(40)), 8, rank=0, world_size=2)
+    part = PilotRankWeights([3.0, 1.0], loader=loader, world_size=2, rank=0, device=torch.device("cpu"),
+                            forward_only=False, event=lambda kind, data: None)
+    assert loader.sampler.rank_weights == (3.0, 1.0)
+    loader.set_rank_weights(None)  # what loading an old loader state does
+    load_parts({"lr_schedulers": []}, {"rank_weights": part}, [])
+    assert loader.sampler.rank_weights == (3.0, 1.0)

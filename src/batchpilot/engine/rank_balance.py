@@ -290,6 +290,8 @@ class PilotRankWeights:
                                         "samples_per_compute_s": rates, "source": "auto"})
         return new
 
+    loads_missing_state = True  # a checkpoint from before rank weights: this Pilot's setting applies
+
     def state_dict(self) -> dict[str, Any]:
         return {"setting": self.setting if not isinstance(self.setting, tuple) else list(self.setting),
                 "balancer": None if self.balancer is None else self.balancer.state_dict()}

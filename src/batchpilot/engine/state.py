@@ -303,10 +303,13 @@ def warn_about_features(state: dict[str, Any], components: dict[str, Any]) -> No
 
 
 def load_parts(state: dict[str, Any], components: dict[str, Any], schedulers: list[Any]) -> None:
-    """Load every part's state (in the order of ``components``), then the LR schedulers'."""
+    """Load every part's state (in the order of ``components``), then the LR schedulers'. A part with
+    ``loads_missing_state`` gets ``{}`` from a checkpoint saved before it existed (to apply its own setting)."""
     for key, obj in components.items():
         if obj is not None and state.get(key) is not None:
             obj.load_state_dict(state[key])
+        elif obj is not None and getattr(obj, "loads_missing_state", False):
+            obj.load_state_dict({})
     for scheduler, s in zip(schedulers, state["lr_schedulers"]):
         scheduler.load_state_dict(s)
 
