@@ -413,7 +413,7 @@ def test_goodput_uneven_rank_weights_time_rank_0s_share():
 
 
 def test_observed_stats_carry_rank_0s_share_only_for_uneven_weights():
-    from batchpilot.engine.driver import observed_stats
+    from batchpilot.engine.decisions import observed_stats
     assert "dist/lead_share" not in observed_stats({}, world_size=2, max_micro_batch_size=None)
     assert observed_stats({}, world_size=2, max_micro_batch_size=None, rank_weights=(3.0, 1.0))["dist/lead_share"] == 0.75
 

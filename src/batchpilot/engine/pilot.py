@@ -28,9 +28,11 @@ from ..measure import StepMeter, engine_probe
 from .accumulate import Accumulation
 from .compression_setup import setup_compression
 from .config import checked, merge_settings, stop_samples
-from .driver import Decisions, SizeDriver
+from .decisions import Decisions
+from .driver import SizeDriver
 from .finish import finish_step
 from .guard import RollbackGuard
+from .pilot_view import PilotView
 from .placement import engine_reduces_gradients, resolve_world, training_device
 from .preemption import Preemption
 from .probes import adopt_anchor, lr_config, resolve_auto, run_probes
@@ -41,7 +43,7 @@ from .state import PilotState, find_checkpoint, rescale_lr
 from .step_end import Gradients, StepEnd, StepLog, lr_rules
 
 
-class Pilot:
+class Pilot(PilotView):
     """Adaptive global batch size for a user-written PyTorch training loop.
 
     Args:
@@ -132,68 +134,6 @@ class Pilot:
         self.probing = False  # the micro-batches yielded now belong to the automatic mode's start probes
         self._ranks = PilotRankWeights.attach(self)  # rank_weights (engine/rank_balance.py)
         self.preempted = False  # save_on_sigterm: a SIGTERM stopped batches() after a checkpoint (it stays stopped)
-
-    # ------------------------------------------------------------------ properties
-    @property
-    def batch_size(self) -> int:
-        """Global batch size of the next step (inside a step, a :meth:`set_batch_size` made in it; between
-        steps, after a loop left a step unfinished, that step's own size: it runs again first)."""
-        override = self._decisions.override
-        return override if self._acc.micro is not None and override is not None else self.loader.batch_size
-
-    @property
-    def step(self) -> int:
-        """Optimizer steps taken (skipped ones included)."""
-        return self.driver.step
-
-    @property
-    def samples_seen(self) -> int:
-        """Samples consumed by the steps taken (the loader may have planned further ahead)."""
-        return self.driver.samples_seen
-
-    @property
-    def epoch(self) -> int:
-        """Full passes over the data completed (during a step: before that step; between steps an epoch
-        whose only rest is a tail ``drop_last`` drops counts as completed)."""
-        return self._acc.micro.epoch if self._acc.micro is not None else self.loader.epochs_done()
-
-    @property
-    def coverage(self) -> float:
-        """Fraction of the current pass consumed, in ``[0, 1)`` (during a step: before that step)."""
-        if self._acc.micro is not None:
-            return self._acc.micro.offset / self.num_samples
-        epoch, offset, _ = self.loader.position()
-        return 0.0 if self.loader.epochs_done() > epoch else offset / self.num_samples  # (a tail to drop: 0)
-
-    @property
-    def virtual_epoch(self) -> float:
-        """``samples_seen / len(dataset)`` (seed 003's logged ``epoch``)."""
-        return self.samples_seen / self.num_samples
-
-    @property
-    def micro_batch(self) -> MicroBatch | None:
-        """The micro-batch being processed (its indices, sizes, position in the step), or ``None`` between steps."""
-        return self._acc.micro
-
-    @property
-    def last_decision(self) -> dict[str, Any] | None:
-        """The last change of size (or note on keeping it), as logged; ``None`` before the first."""
-        return self._decisions.last_decision
-
-    @property
-    def rank_weights(self) -> tuple[float, ...] | None:
-        """Each rank's weight in the share of the next global batches (``None``: even; docs/distributed.md)."""
-        return self.loader.sampler.rank_weights
-
-    @property
-    def rollbacks(self) -> int:
-        """Changes of size the rollback guard undid (docs/rollback.md)."""
-        return self._guard.rollbacks
-
-    @property
-    def oom_replays(self) -> int:
-        """Steps run again after running out of memory."""
-        return self._replay.replays
 
     def add_callback(self, fn: Callable[[Pilot, dict], None]) -> None:
         """Call ``fn(pilot, record)`` after every step (on every rank), e.g. to evaluate."""
