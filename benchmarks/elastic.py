@@ -178,12 +178,13 @@ def kill_case(out: Path, point: str, change: str) -> dict[str, Any]:
     return combined(out)
 
 
-def sigterm_case(out: Path, change: str, step_seconds: float = 0.3) -> dict[str, Any]:
+def sigterm_case(out: Path, change: str) -> dict[str, Any]:
     """A planned stop: SIGTERM to the last rank of a job with ``save_on_sigterm=True`` once it has trained 9
-    steps; every rank must save at the same step end and exit 0; then resume with the second world size."""
+    steps (it waits there for the signal: the first step end to see it is step 10's); every rank must save at
+    that step end and exit 0; then resume with the second world size."""
     first, second = CHANGES[change]
     out.mkdir(parents=True, exist_ok=True)
-    procs = launch(out, first, "--save-on-sigterm", "--step-seconds", str(step_seconds))
+    procs = launch(out, first, "--save-on-sigterm", last_rank_args=("--hold-at", "9"))
     signal_when(out, procs[-1], step=9, rank=first - 1)
     codes = wait_all(procs)
     if codes != [0] * first:
@@ -194,9 +195,9 @@ def sigterm_case(out: Path, change: str, step_seconds: float = 0.3) -> dict[str,
     return combined(out)
 
 
-def launch(out: Path, world_size: int, *args: str) -> list[subprocess.Popen[bytes]]:
+def launch(out: Path, world_size: int, *args: str, last_rank_args: tuple[str, ...] = ()) -> list[subprocess.Popen[bytes]]:
     """Start ``world_size`` worker processes by hand (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; rank 0 serves
-    the store), so that a signal can go to one rank."""
+    the store), so that a signal can go to one rank; the last rank gets ``last_rank_args`` too."""
     port = free_port()
     procs = []
     for rank in range(world_size):
@@ -204,7 +205,9 @@ def launch(out: Path, world_size: int, *args: str) -> list[subprocess.Popen[byte
                "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "LOCAL_RANK": str(rank)}
         env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), str(out), "--steps", str(STEPS), *args], env=env,
+        extra = last_rank_args if rank == world_size - 1 else ()
+        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), str(out), "--steps", str(STEPS), *args, *extra],
+                                      env=env,
                                       stdout=subprocess.DEVNULL, stderr=open(out / f"stderr-r{rank}.txt", "wb")))  # noqa: SIM115
     return procs
 

@@ -67,7 +67,11 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=4)
     parser.add_argument("--tag", default="a")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step (time to send a signal)")
+    parser.add_argument("--hold-at", type=int, default=None,
+                        help="a fresh attempt waits after this step (at most 120 s) for a SIGTERM")
     args = parser.parse_args()
+    terminated = []  # this handler of the script's own is chained by the Pilot's (engine/preemption.py)
+    signal.signal(signal.SIGTERM, lambda signum, frame: terminated.append(signum))
 
     rank, world_size = init_torchrun("gloo")
     # torchrun's restart count stays the same when a node joins: the world size tells those attempts apart
@@ -95,6 +99,10 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)  # the decision is made (and logged), its checkpoint not yet
         if args.step_seconds:
             time.sleep(args.step_seconds)
+        if p.step == args.hold_at and resumed is None:
+            deadline = time.monotonic() + 120
+            while not terminated and time.monotonic() < deadline:
+                time.sleep(0.02)
 
     pilot.add_callback(record)
     for x, y in pilot.batches(max_steps=args.steps):
