@@ -59,7 +59,7 @@ def test_a_share_splits_into_near_equal_micro_batches_and_an_empty_part_becomes_
 def test_a_planned_micro_batch_fetched_is_the_micro_batch_the_loop_sees():
     planned = PlannedMicroBatch(np.array([4, 5]), 1, 2, 3, 6, AT, step=9)
     micro = planned.fetched("data")
-    assert micro == MicroBatch("data", planned.indices, 1, 2, 3, 6, False, 2, 30, 9)
+    assert micro == MicroBatch("data", planned.indices, 1, 2, 3, 6, False, 2, 30, 9, samples_seen=AT.samples_seen)
     assert micro.size == 2 and micro.is_last
     ghost = PlannedMicroBatch(np.array([4]), 0, 2, 0, 1, AT, step=9, ghost=True).fetched("data")
     assert ghost.size == 0 and not ghost.is_last

@@ -28,6 +28,7 @@ OLD_DEFAULTS = dict(
 )  # (lr_rule was "none"; since issue 21 None means the controller's recommended rule, else "none": docs/lr.md)
 NEW_DEFAULTS = dict(rollback=None, rollback_window=100, rollback_spike=2.0, rollback_cooldown=200)  # issue 21
 NEW_DEFAULTS.update(rank_weights=None, compression=None, save_on_sigterm=False)  # issue 23
+NEW_DEFAULTS.update(batch_unit="samples", lengths=None, max_micro_batch_tokens=None)  # issue 24
 
 
 def build(**settings):

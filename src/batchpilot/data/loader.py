@@ -4,12 +4,9 @@ Each global batch (one optimizer step) is cut from an :class:`AdaptiveBatchSampl
 weighted: :mod:`.shares`) is split into ``accumulation_steps`` near-equal micro-batches of at most
 ``max_micro_batch_size`` samples (:mod:`.micro_batch`), fetched in process or by a torch DataLoader's workers.
 
-Exact sizes with prefetching: with ``num_workers > 0`` torch's DataLoader asks the batch sampler for index
-lists ahead of consumption. Every planned micro-batch remembers the sampler position at the start of its
-step; when :meth:`set_batch_size` (or :meth:`set_rank_weights`) changes the size while later steps were planned,
-the loader seeks the sampler back to the first unconsumed step and restarts the worker iterator. Nothing
-prefetched under the old size reaches the consumer, no index is lost or repeated; the cost is one discarded
-prefetch window per change.
+Exact sizes with prefetching: every planned micro-batch remembers the sampler position at its step's start; when
+:meth:`set_batch_size` (or :meth:`set_rank_weights`) changes the size while workers prefetched later steps, the
+loader seeks back to the first unconsumed step and restarts the worker iterator (one discarded prefetch window).
 """
 
 from __future__ import annotations
@@ -35,14 +32,15 @@ from .fetch import (
 from .micro_batch import (
     MicroBatch,
     PlannedMicroBatch,
+    accumulation_for,
     accumulation_steps_for,
-    plan_accumulation_steps,
-    plan_micro_batches,
+    plan_step,
     split_even,
     wants_split,
 )
 from .sampler import AdaptiveBatchSampler
 from .shares import checked_weights
+from .tokens import TokenStep, attach_tokens, next_step_units
 
 __all__ = ["AdaptiveDataLoader", "MicroBatch", "accumulation_steps_for", "split_even"]
 
@@ -74,6 +72,8 @@ class AdaptiveDataLoader:
         dataloader_kwargs: Further keyword arguments for that DataLoader (``multiprocessing_context``,
             ``worker_init_fn``, ``timeout``, ...); not those the loader sets itself, and not ``in_order=False``
             (micro-batches must arrive in the order they were planned).
+        batch_unit, lengths, max_micro_batch_tokens: ``"tokens"``: batch sizes count tokens, ``lengths`` holds every
+            sample's, a micro-batch at most ``max_micro_batch_tokens`` (:mod:`.tokens`); default ``"samples"``.
         rng_device: When given, torch's RNG state (CPU, and this device's when it is a CUDA device) is kept in
             ``step_start_rng`` right before each step's first micro-batch is fetched (fetching may draw random
             numbers), so that a step run again draws what its first run drew.
@@ -94,7 +94,8 @@ class AdaptiveDataLoader:
                  sampler: AdaptiveBatchSampler | None = None, accumulation_steps: int | None = None,
                  wrap_loader: Callable[[DataLoader], Iterable[Any]] | None = None,
                  dataloader_kwargs: Mapping[str, Any] | None = None,
-                 rng_device: torch.device | str | None = None) -> None:
+                 rng_device: torch.device | str | None = None, batch_unit: str = "samples", lengths: Any = None,
+                 max_micro_batch_tokens: int | None = None) -> None:
         length = dataset_length(dataset)
         self.dataset = dataset
         self.sampler = sampler or AdaptiveBatchSampler(
@@ -104,6 +105,7 @@ class AdaptiveDataLoader:
             raise ValueError(
                 f"sampler.num_samples={self.sampler.num_samples} but the dataset has {length} samples."
             )
+        self.max_micro_batch_tokens = attach_tokens(self.sampler, dataset, batch_unit, lengths, max_micro_batch_tokens)
         self.max_micro_batch_size = (
             None if max_micro_batch_size is None else check_batch_size(max_micro_batch_size, "max_micro_batch_size")
         )
@@ -177,17 +179,13 @@ class AdaptiveDataLoader:
         return self.sampler.epoch + self.sampler.at_tail_to_drop()
 
     def next_step_size(self) -> int:
-        """Samples in the next global batch: the batch size, or the rest of the epoch when fewer are left
+        """Samples (tokens, in tokens) in the next global batch: the batch size, or the rest of the epoch when fewer are left
         (with ``drop_last``, such a rest is dropped and the next epoch's first batch counts). Call between
         steps."""
         self._drop_stale_plans()
         if self._planned:
-            return self._planned[0].global_batch_size
-        s = self.sampler
-        remaining = s.num_samples - s.offset
-        if s.drop_last and remaining < s.batch_size:
-            remaining = s.num_samples
-        return min(s.batch_size, remaining)
+            return self._planned[0].global_units
+        return next_step_units(self.sampler)
 
     def set_max_micro_batch_size(self, size: int | None) -> None:
         """Change the micro-batch bound from the next step on (e.g. after running out of memory)."""
@@ -262,24 +260,25 @@ class AdaptiveDataLoader:
         batch = sampler.next_global_batch()
         if batch is None:
             return None
-        step = self._next_step
-        accumulation_steps = self._accumulation_for(len(batch), step)
+        step, plan = self._next_step, sampler.token_plan
+        shares = None if plan is None else plan.step(batch, sampler.world_size, sampler.rank_weights)
+        parts = plan_step(batch, sampler, shares, self._accumulation_for(len(batch), step, shares), position, step,
+                          self.max_micro_batch_size)
         self._next_step += 1
-        parts = plan_micro_batches(batch, sampler.local_share(batch), accumulation_steps, position, step)
         self._planned.extend(parts)
         self._share_first_unused()
         return parts
 
-    def _accumulation_for(self, size: int, step: int) -> int:
-        return plan_accumulation_steps(size, self.sampler.world_size, accumulation_steps=self.accumulation_steps,
-                                       max_micro_batch_size=self.max_micro_batch_size,
-                                       split=wants_split(self.split_every, step), weights=self.sampler.rank_weights)
+    def _accumulation_for(self, size: int, step: int, shares: TokenStep | None = None) -> int:
+        return accumulation_for(size, shares, self.sampler, accumulation_steps=self.accumulation_steps,
+                                max_micro_batch_size=self.max_micro_batch_size, split=wants_split(self.split_every, step),
+                                max_micro_batch_tokens=self.max_micro_batch_tokens)
 
     def _split_changed(self) -> bool:
         """Whether the step about to be consumed was planned ahead with another split than asked for now."""
         first = self._planned[0]
         return first.micro_index == 0 and callable(self.split_every) and \
-            first.accumulation_steps != self._accumulation_for(first.global_batch_size, first.step)
+            first.accumulation_steps != self._accumulation_for(first.global_batch_size, first.step, first.token_step)
 
     def _emit(self) -> Iterator[list[int]]:
         """Plan the remaining steps of the current epoch; yield each micro-batch's index list."""

@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from .sampler import SamplerPosition
+from .sampler import AdaptiveBatchSampler, SamplerPosition
 from .shares import largest_share, share_bounds, smallest_share
+from .tokens import TokenStep, split_tokens
 
 
 @dataclass
@@ -35,6 +36,9 @@ class MicroBatch:
         epoch, offset: Position of the step's first sample: its epoch and the samples of that epoch
             consumed before the step.
         step: 0-based index of the optimizer step this micro-batch belongs to.
+        tokens, local_tokens, global_tokens: With ``batch_unit="tokens"`` (:mod:`.tokens`): the tokens of this
+            micro-batch (0 for a ghost), of this rank's share and of the global batch; ``None`` otherwise.
+        samples_seen: Samples consumed by the steps before this one.
     """
 
     data: Any
@@ -47,11 +51,25 @@ class MicroBatch:
     epoch: int = 0
     offset: int = 0
     step: int = 0
+    tokens: int | None = None
+    local_tokens: int | None = None
+    global_tokens: int | None = None
+    samples_seen: int = 0
 
     @property
     def size(self) -> int:
         """Samples in this micro-batch that count (0 for a ghost)."""
         return 0 if self.ghost else len(self.indices)
+
+    @property
+    def units(self) -> int:
+        """What this micro-batch counts for in its step: its samples, or its tokens when batches count tokens."""
+        return self.size if self.tokens is None else self.tokens
+
+    @property
+    def global_units(self) -> int:
+        """The global batch size in its unit: samples, or tokens when batches count tokens."""
+        return self.global_size if self.global_tokens is None else self.global_tokens
 
     @property
     def is_last(self) -> bool:
@@ -71,11 +89,21 @@ class PlannedMicroBatch:
     position: SamplerPosition  # the sampler's position at the step's start
     step: int
     ghost: bool = False
+    tokens: int | None = None  # with batch_unit="tokens": this micro-batch's, this rank's and the step's tokens
+    local_tokens: int | None = None
+    global_tokens: int | None = None
+    token_step: Any = None  # the step's data.tokens.TokenStep (its shares), to plan its split again
+
+    @property
+    def global_units(self) -> int:
+        """The step's size in its unit (samples, or tokens)."""
+        return self.global_batch_size if self.global_tokens is None else self.global_tokens
 
     def fetched(self, data: Any) -> MicroBatch:
         """The micro-batch with its collated ``data``."""
         return MicroBatch(data, self.indices, self.micro_index, self.accumulation_steps, self.local_batch_size,
-                          self.global_batch_size, self.ghost, self.position.epoch, self.position.offset, self.step)
+                          self.global_batch_size, self.ghost, self.position.epoch, self.position.offset, self.step,
+                          self.tokens, self.local_tokens, self.global_tokens, self.position.samples_seen)
 
 
 def accumulation_steps_for(global_batch_size: int, world_size: int, max_micro_batch_size: int | None,
@@ -130,3 +158,43 @@ def plan_micro_batches(global_batch: np.ndarray, share: np.ndarray, accumulation
                                position, step, ghost=True)
         for micro, (lo, hi) in enumerate(split_even(local_batch_size, accumulation_steps))
     ]
+
+
+def plan_token_micro_batches(global_batch: np.ndarray, step_shares: TokenStep, rank: int, accumulation_steps: int,
+                             position: SamplerPosition, step: int,
+                             max_micro_batch_size: int | None) -> list[PlannedMicroBatch]:
+    """Split ``rank``'s share of a global batch counted in tokens into ``accumulation_steps`` contiguous
+    micro-batches balanced in tokens (:func:`.tokens.split_tokens`); an empty one is a ghost (0 tokens)."""
+    start, stop = step_shares.bounds[rank]
+    share, cumulative = global_batch[start:stop], step_shares.share_cumulative(rank)
+    local_tokens, global_tokens = int(cumulative[-1]), step_shares.tokens
+    planned = []
+    for micro, (lo, hi) in enumerate(split_tokens(cumulative, accumulation_steps, max_micro_batch_size)):
+        ghost = hi <= lo
+        planned.append(PlannedMicroBatch(
+            global_batch[:1] if ghost else share[lo:hi], micro, accumulation_steps, len(share), len(global_batch),
+            position, step, ghost, 0 if ghost else int(cumulative[hi] - cumulative[lo]), local_tokens, global_tokens,
+            step_shares))
+    return planned
+
+
+def accumulation_for(global_batch_size: int, shares: TokenStep | None, sampler: AdaptiveBatchSampler, *,
+                     accumulation_steps: int | None, max_micro_batch_size: int | None,
+                     max_micro_batch_tokens: int | None, split: bool) -> int:
+    """Micro-batches of a step on every rank (:func:`plan_accumulation_steps`; in tokens, for the step's token
+    ``shares``: :meth:`.tokens.TokenStep.accumulation_steps`)."""
+    if shares is not None:
+        return shares.accumulation_steps(fixed=accumulation_steps, max_tokens=max_micro_batch_tokens,
+                                         max_samples=max_micro_batch_size, split=split)
+    return plan_accumulation_steps(global_batch_size, sampler.world_size, accumulation_steps=accumulation_steps,
+                                   max_micro_batch_size=max_micro_batch_size, split=split, weights=sampler.rank_weights)
+
+
+def plan_step(global_batch: np.ndarray, sampler: AdaptiveBatchSampler, shares: TokenStep | None,
+              accumulation_steps: int, position: SamplerPosition, step: int,
+              max_micro_batch_size: int | None) -> list[PlannedMicroBatch]:
+    """This rank's planned micro-batches of ``global_batch``: its share in samples, or in tokens (``shares``)."""
+    if shares is None:
+        return plan_micro_batches(global_batch, sampler.local_share(global_batch), accumulation_steps, position, step)
+    return plan_token_micro_batches(global_batch, shares, sampler.rank, accumulation_steps, position, step,
+                                    max_micro_batch_size)

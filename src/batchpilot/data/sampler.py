@@ -18,6 +18,7 @@ import numpy as np
 
 from .._validation import check_batch_size, check_bool, check_positive_int
 from .shares import RankWeights, checked_weights, loaded_weights, share_bounds
+from .tokens import TokenPlan, check_token_state, token_state
 
 logger = logging.getLogger("batchpilot")
 
@@ -113,6 +114,7 @@ class AdaptiveBatchSampler:
         self._plans_ahead = False  # a consumer cuts batches before using them (see plan_ahead)
         self._first_unused: SamplerPosition | None = None
         self._weights: RankWeights | None = None
+        self.token_plan: TokenPlan | None = None  # batch sizes count tokens (set by the loader: see .tokens)
 
     # ---------------------------------------------------------------- size and position
     @property
@@ -218,10 +220,12 @@ class AdaptiveBatchSampler:
         returned once, so that a ``for`` loop over the sampler covers exactly one epoch.
         """
         remaining = self.num_samples - self.offset
-        global_batch_size = min(self._global_batch_size, remaining)
-        if self.drop_last and global_batch_size < self._global_batch_size:
+        if self.drop_last and self._units_left() < self._global_batch_size:
             self._drop(remaining)
             return None
+        plan = self.token_plan
+        global_batch_size = min(self._global_batch_size, remaining) if plan is None else \
+            plan.take(self.order(), self.epoch, self.offset, self._global_batch_size)
         batch = self.order()[self.offset : self.offset + global_batch_size]
         self.offset += global_batch_size
         self.samples_seen += global_batch_size
@@ -243,7 +247,12 @@ class AdaptiveBatchSampler:
 
     def at_tail_to_drop(self) -> bool:
         """With ``drop_last``: only a tail smaller than the global batch size is left of the current epoch."""
-        return self.drop_last and self.offset > 0 and self.num_samples - self.offset < self._global_batch_size
+        return self.drop_last and self.offset > 0 and self._units_left() < self._global_batch_size
+
+    def _units_left(self) -> int:
+        """What is left of the current epoch in the batch size's unit: samples, or tokens (:mod:`.tokens`)."""
+        plan = self.token_plan
+        return self.num_samples - self.offset if plan is None else plan.left(self.order(), self.epoch, self.offset)
 
     def _drop(self, remaining: int) -> None:
         self.dropped_samples += remaining
@@ -252,7 +261,10 @@ class AdaptiveBatchSampler:
         self.epoch, self.offset = self.epoch + 1, 0
 
     def local_share(self, global_batch: np.ndarray) -> np.ndarray:
-        """This rank's contiguous share of ``global_batch``."""
+        """This rank's contiguous share of ``global_batch`` (by tokens when batch sizes count tokens)."""
+        if self.token_plan is not None:
+            start, stop = self.token_plan.step(global_batch, self.world_size, self._weights).bounds[self.rank]
+            return global_batch[start:stop]
         start, stop = share_bounds(len(global_batch), self.rank, self.world_size, self._weights)
         return global_batch[start:stop]
 
@@ -290,6 +302,9 @@ class AdaptiveBatchSampler:
         """Batches left in the current epoch if the batch size stays as it is now: what an iteration in
         progress still yields. Where only a tail to drop is left that is 0, although a new ``iter()`` drops
         the tail and yields the next epoch."""
+        if self.token_plan is not None:
+            return self.token_plan.batches_left(self.order(), self.epoch, self.offset, self._global_batch_size,
+                                                self.drop_last)
         remaining = self.num_samples - self.offset
         full, rest = divmod(remaining, self._global_batch_size)
         return full + (1 if rest and not self.drop_last else 0)
@@ -315,6 +330,7 @@ class AdaptiveBatchSampler:
             "dropped_samples": self.dropped_samples,
             "rank_weights": None if self._weights is None else list(self._weights),
         }
+        state.update(token_state(self.token_plan))  # a budget in tokens, of these lengths
         loop_epoch = self._open_loop[1] if self._open_loop is not None else self._resumed_loop
         if loop_epoch is not None:
             state["loop_epoch"] = loop_epoch
@@ -368,6 +384,7 @@ class AdaptiveBatchSampler:
                 f"sampler state has {key}={saved!r} but this sampler has {key}={here!r}; "
                 "resume with the same dataset, seed and shuffle setting."
             )
+        check_token_state(state, self.token_plan)
         counted = [key for key in ("epoch", "offset", "samples_seen", "dropped_samples", "loop_epoch") if key in state]
         try:  # a corrupt field is a bad state (ValueError), whatever its type
             counts = {key: check_positive_int(state[key], f"sampler state's {key}", minimum=0) for key in counted}

@@ -5,6 +5,11 @@ Each micro-batch runs on the training device, under DDP's ``no_sync`` except whe
 so that the accumulated gradient is the gradient of the mean loss over the global batch, whatever the split:
 micro-batch ``j`` of ``n_j`` samples gets ``n_j / B`` (``N n_j / B`` when DDP averages over ``N`` ranks), which
 stays exact when the ranks' shares differ (``rank_weights``) and for ghost micro-batches (``n_j = 0``).
+
+With ``batch_unit="tokens"`` the same holds in tokens: ``n_j`` and ``B`` are the micro-batch's and the global
+batch's tokens, so a ``loss_reduction="sum"`` loss (summed over the micro-batch's tokens) is weighted ``1 / T``
+(``N / T`` under DDP), and a ``"mean"`` loss (its mean over the micro-batch's tokens) ``t_j / T``: the step's
+gradient is that of the mean loss per token over the global batch (docs/tokens.md).
 """
 
 from __future__ import annotations
@@ -107,14 +112,14 @@ class Accumulation:
                 f"pilot.backward() needs a scalar loss tensor, got {type(loss).__name__} "
                 f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; reduce it with .mean() first."
             )
-        micro_batch_size = micro.size  # 0 for a ghost micro-batch
+        micro_batch_size = micro.units  # samples, or tokens with batch_unit="tokens"; 0 for a ghost micro-batch
         balance = self.balance if micro_batch_size else None
         if balance is not None:
             balance.before_backward(micro_batch_size)
         per_sample = (micro_batch_size if self.mean_loss else 1) if micro_batch_size else 0
         if per_sample:
             self.step_end.losses.append((loss.detach(), per_sample))
-        weight = per_sample / micro.global_size
+        weight = per_sample / micro.global_units
         if self.ddp_syncs:
             weight *= self.world_size  # DDP divides the summed gradients by the world size
         scaled = loss if weight == 1.0 else loss * weight

@@ -27,6 +27,7 @@ from .._validation import (
 )
 from ..controllers.boundary import check_controller
 from ..data.shares import check_rank_weights
+from ..data.tokens import check_batch_unit
 from ..lr import check_rule
 from .compression_setup import check_compression
 from .guard import check_rollback_settings
@@ -98,6 +99,12 @@ class DataConfig:
     """Fetch into page-locked memory (faster copies to a GPU)."""
     prefetch_factor: int | None = None
     """Micro-batches each worker fetches ahead (needs ``num_workers > 0``)."""
+    batch_unit: str = "samples"
+    """What a batch size counts: ``"samples"``, or ``"tokens"`` (then ``batch_size``, the bounds, the controller's
+    sizes and the LR coupling count tokens, and ``lengths`` gives every sample's tokens; docs/tokens.md)."""
+    lengths: Any = None
+    """With ``batch_unit="tokens"``: every sample's token count, a sequence of ints or the name of a dataset attribute
+    or column holding it (a column of sequences, e.g. ``"input_ids"``, gives their lengths), read once."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +114,9 @@ class MemoryConfig:
     max_micro_batch_size: int | None = None
     """Most samples per forward/backward on one rank; larger local batches accumulate over several
     micro-batches (``None``: one micro-batch per step)."""
+    max_micro_batch_tokens: int | None = None
+    """With ``batch_unit="tokens"``: most tokens per forward/backward on one rank (a longer sample gets a micro-batch
+    of its own; ``None``: no token bound)."""
     oom_recovery: bool = False
     """Run a step that ran out of memory again with micro-batches of half the size (same samples, global batch
     and LR); each micro-batch's forward and backward then go inside ``with pilot.micro_step():``. With several
@@ -277,6 +287,7 @@ def checked(config: PilotConfig, *, batch_size: Any, controller: Any, optimizer:
         lr_rule=lambda: check_rule(lr.lr_rule, "lr_rule", also=("auto", "adascale")),  # the message names every rule
         lr_knee=lambda: check_positive_int(lr.lr_knee, "lr_knee"),
         compression=lambda: check_compression(config.distributed.compression),
+        batch_unit=lambda: check_batch_unit(config.data.batch_unit, config.data.lengths, mem.max_micro_batch_tokens),
         rank_weights=lambda: check_rank_weights(config.distributed.rank_weights, config.distributed.world_size),
     )
     if not problems and ckpt.checkpoint_every is not None and ckpt.checkpoint_dir is None:
@@ -299,6 +310,7 @@ def checked(config: PilotConfig, *, batch_size: Any, controller: Any, optimizer:
         decisions=replace(dec, decide_every=int(dec.decide_every), loss_history=int(dec.loss_history),
                           min_batch_size=_int(lo), max_batch_size=_int(hi), rollback_window=int(dec.rollback_window),
                           rollback_spike=float(dec.rollback_spike), rollback_cooldown=int(dec.rollback_cooldown)),
+        memory=replace(mem, max_micro_batch_tokens=_int(mem.max_micro_batch_tokens)),
         lr=replace(lr, base_batch_size=_int(lr.base_batch_size), lr_schedulers=list(lr.lr_schedulers)),
         precision=replace(prec, grad_clip=prec.grad_clip if prec.grad_clip is None or isinstance(prec.grad_clip, str)
                           else float(prec.grad_clip)),

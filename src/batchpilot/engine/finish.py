@@ -10,18 +10,19 @@ from ..logs import ProgressBar
 from .preemption import stop_if_agreed
 from .state import rescale_lr
 from .step_end import step_record
+from .tokens import token_record
 
 
 def finish_step(pilot: Any, micro: MicroBatch, bar: ProgressBar) -> None:
     """End the step whose last micro-batch was ``micro`` (called by :meth:`Pilot.batches`)."""
-    global_batch_size = micro.global_size
+    global_batch_size = micro.global_units  # samples, or tokens (batch_unit="tokens": engine/tokens.py)
     outcome = pilot._step_end.apply(global_batch_size, pilot._event)
     pilot._acc.step_open = False
     if outcome.skipped:
         pilot.skipped_steps += 1
     if pilot._couple:
         pilot.coupling.unscale()
-    pilot._step_end.step_schedulers(pilot.samples_seen + global_batch_size, outcome.skipped)
+    pilot._step_end.step_schedulers(pilot.driver.samples_seen + global_batch_size, outcome.skipped)
     # The controller's loss history leaves out a skipped step's loss, not a non-finite one a step was taken with.
     step_time = pilot.driver.end_step(global_batch_size, None if outcome.skipped else outcome.loss,
                                      finite_only=False)
@@ -33,9 +34,10 @@ def finish_step(pilot: Any, micro: MicroBatch, bar: ProgressBar) -> None:
     record = step_record(step=pilot.step, samples_seen=pilot.samples_seen, position=pilot.loader.position(),
                          num_samples=pilot.num_samples, micro=micro, outcome=outcome, step_time=step_time,
                          skipped_steps=pilot.skipped_steps)
+    token_record(record, micro, pilot.driver.samples_seen, pilot.num_samples)  # (batch_unit="tokens")
     pilot.last_record = record
     pilot._log.step(record)
-    bar.update(global_batch_size, record)
+    bar.update(micro.global_size, record)
 
     pilot._acc.micro = None  # between steps from here on
     guard = pilot._guard

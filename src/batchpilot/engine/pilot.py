@@ -41,6 +41,7 @@ from .replay import StepReplay
 from .settings import PilotSettings
 from .state import PilotState, find_checkpoint, rescale_lr
 from .step_end import Gradients, StepEnd, StepLog, lr_rules
+from .tokens import setup_tokens
 
 
 class Pilot(PilotView):
@@ -80,7 +81,8 @@ class Pilot(PilotView):
         self.device = training_device(cfg.distributed.device, self._module, first_param=self._grads.params[0],
                                       broadcast=self._ddp_model is None and self.world_size > 1)
         self.loader = AdaptiveDataLoader(  # it keeps torch's RNG at each step's start, for a step run again
-            dataset, batch_size, max_micro_batch_size=mem.max_micro_batch_size, rank=self.rank,
+            dataset, batch_size, max_micro_batch_size=mem.max_micro_batch_size,
+            max_micro_batch_tokens=mem.max_micro_batch_tokens, rank=self.rank,
             world_size=self.world_size, rng_device=self.device, **vars(cfg.data))
         self.num_samples = self.loader.sampler.num_samples
         self.driver = SizeDriver(  # the step counters, and the decisions
@@ -133,6 +135,7 @@ class Pilot(PilotView):
         self._rewinds_seen = self.loader.rewinds
         self.probing = False  # the micro-batches yielded now belong to the automatic mode's start probes
         self._ranks = PilotRankWeights.attach(self)  # rank_weights (engine/rank_balance.py)
+        setup_tokens(self)  # batch_unit="tokens": the controller, LR coupling and noise scale count tokens
         self.preempted = False  # save_on_sigterm: a SIGTERM stopped batches() after a checkpoint (it stays stopped)
 
     def add_callback(self, fn: Callable[[Pilot, dict], None]) -> None:

@@ -38,7 +38,15 @@ class PilotView:
     @property
     def samples_seen(self) -> int:
         """Samples consumed by the steps taken (the loader may have planned further ahead)."""
-        return self.driver.samples_seen
+        if self.loader.sampler.token_plan is None:
+            return self.driver.samples_seen
+        micro = self._acc.micro  # in tokens the driver counts tokens: the samples are the data position's
+        return micro.samples_seen if micro is not None else self.loader.position()[2]
+
+    @property
+    def tokens_seen(self) -> int | None:
+        """Tokens consumed by the steps taken, with ``batch_unit="tokens"`` (``None`` when batches count samples)."""
+        return None if self.loader.sampler.token_plan is None else self.driver.samples_seen
 
     @property
     def epoch(self) -> int:

@@ -55,7 +55,10 @@ class PilotSettings(TypedDict, total=False):
     collate_fn: Callable[[list[Any]], Any] | None
     pin_memory: bool
     prefetch_factor: int | None
+    batch_unit: str
+    lengths: Any
     max_micro_batch_size: int | None
+    max_micro_batch_tokens: int | None
     oom_recovery: bool
     loss_reduction: str
     amp: str | None

@@ -1,0 +1,46 @@
+"""A `Pilot` whose batch sizes count tokens (``batch_unit="tokens"``; the data side is :mod:`batchpilot.data.tokens`).
+
+Everything that decides or follows the size then works in tokens: the controller's :class:`~batchpilot.Observation`
+(``batch_size``, ``samples_seen``, ``num_samples`` and ``samples_per_s`` are tokens, tokens seen, the dataset's
+tokens and tokens per second), ``min_batch_size`` / ``max_batch_size``, the LR coupling's ``base_batch_size``, the
+sample-based LR schedules (stepped with tokens seen), AdaScale's scale and the gradient noise scale (``B_small`` and
+``B_big`` are the tokens of the small and the global batch, so ``B_noise`` is in tokens, McCandlish et al. 2018's
+unit for language models). The data position, ``pilot.samples_seen``, ``max_samples=`` and ``epochs=`` still count
+samples; ``pilot.tokens_seen`` counts tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..data.loader import MicroBatch
+
+
+def setup_tokens(pilot: Any) -> None:
+    """Point a new Pilot's counters at tokens when its loader counts them (nothing otherwise).
+
+    Raises:
+        ValueError: ``batch_size="auto"`` with ``batch_unit="tokens"`` (the start probes count samples).
+    """
+    plan = pilot.loader.sampler.token_plan
+    if plan is None:
+        return
+    if pilot._auto:
+        raise ValueError("batch_size='auto' cannot count tokens yet (its start probes sweep sample counts); pass a "
+                         "token budget, batch_size=<tokens>, with a controller such as Goodput() or NoiseScale().")
+    pilot.driver.num_samples = plan.total_tokens  # what Observation.num_samples holds: the dataset's tokens
+    if pilot._noise is not None:
+        pilot._noise.population = plan.total_tokens  # the finite-population correction, in tokens
+
+
+def token_record(record: dict[str, Any], micro: MicroBatch, tokens_seen: int, num_samples: int) -> None:
+    """Add a step's tokens to its ``record`` (the step's last micro-batch: ``micro``): ``tokens`` (the global batch's),
+    ``tokens_seen``, ``batch/local_tokens`` and ``perf/tokens_per_s``; ``samples_seen`` and ``virtual_epoch`` count
+    the step's samples (nothing changes for a batch counted in samples)."""
+    if micro.global_tokens is None:
+        return
+    samples_seen = micro.samples_seen + micro.global_size
+    seconds = record.get("perf/step_time_s") or 0.0
+    record.update({"samples_seen": samples_seen, "virtual_epoch": samples_seen / num_samples,
+                   "tokens": micro.global_tokens, "tokens_seen": tokens_seen, "batch/local_tokens": micro.local_tokens,
+                   "perf/tokens_per_s": micro.global_tokens / seconds if seconds > 0 else float("nan")})
