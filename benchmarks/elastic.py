@@ -8,7 +8,9 @@ the end. Kill points: ``mid-epoch`` (the first micro-batch of a step), ``mid-acc
 of a step), ``after-decision`` (in a callback right after a step's decision, before that step's checkpoint) and
 ``checkpoint-write`` (inside the checkpoint write, after the temporary file is synced, before the atomic rename:
 the previous checkpoint must be the one that loads). A ``sigterm`` row sends SIGTERM to one rank of a run with
-``save_on_sigterm=True`` (a planned stop) instead.
+``save_on_sigterm=True`` (a planned stop) instead. The ``node killed`` and ``node joins`` rows run torchrun's own
+elastic restarts: two "nodes" (``torchrun --nnodes=1:2``, c10d rendezvous on 127.0.0.1) of which one is SIGKILLed,
+and one node that a second joins (its agent SIGTERMs the worker, which saves).
 
 Reported per case, against an uninterrupted run: samples lost and repeated (the multiset of sample ids the
 resumed job trained, over all its steps, against the uninterrupted run's; target 0), whether every step's size is
@@ -195,6 +197,49 @@ def sigterm_case(out: Path, change: str) -> dict[str, Any]:
     return combined(out)
 
 
+def node_joins_case(out: Path) -> dict[str, Any]:
+    """``torchrun --nnodes=1:2`` started on one node, with ``save_on_sigterm=True``; its worker waits after step 6
+    until a second node joins: the agent SIGTERMs it to restart both with world size 2 (step 7 is saved, nothing
+    is trained twice)."""
+    out.mkdir(parents=True, exist_ok=True)
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = ("--save-on-sigterm", "--hold-at", "6")
+    nodes = [node(out, *args, endpoint=endpoint, host=True, env=ELASTIC_ENV)]
+    try:
+        wait_for_steps(out, "steps-a0w1-r0.jsonl", 6)
+        nodes.append(node(out, *args, endpoint=endpoint, host=False, env=ELASTIC_ENV))
+        codes = [proc.wait(timeout=240) for proc in nodes]
+    finally:
+        for proc in nodes:
+            if proc.poll() is None:
+                kill_node(proc)
+    if codes != [0, 0]:
+        raise RuntimeError(f"node joins: exit codes {codes} (logs in {out}/node-*.txt)")
+    return combined(out)
+
+
+def node_killed_case(out: Path) -> dict[str, Any]:
+    """``torchrun --nnodes=1:2`` on two nodes; the second node's worker waits after step 14 (the first one's in
+    step 15's collectives) and that node, agent and worker, is SIGKILLed: the first node's agent restarts its
+    worker alone, from the checkpoint of step 12. (The first node serves the rendezvous store: killing it would
+    leave the other no rendezvous.)"""
+    out.mkdir(parents=True, exist_ok=True)
+    endpoint = f"127.0.0.1:{free_port()}"
+    host = node(out, endpoint=endpoint, host=True, env=ELASTIC_ENV)
+    peer = node(out, "--hold-at", "14", endpoint=endpoint, host=False, env=ELASTIC_ENV)
+    try:
+        wait_for_steps(out, "steps-a0w2-r*.jsonl", 14)
+        kill_node(peer)
+        code = host.wait(timeout=240)
+    finally:
+        for proc in (host, peer):
+            if proc.poll() is None:
+                kill_node(proc)
+    if code != 0:
+        raise RuntimeError(f"node killed: the remaining node exited {code} (logs in {out}/node-*.txt)")
+    return combined(out)
+
+
 def launch(out: Path, world_size: int, *args: str, last_rank_args: tuple[str, ...] = ()) -> list[subprocess.Popen[bytes]]:
     """Start ``world_size`` worker processes by hand (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; rank 0 serves
     the store), so that a signal can go to one rank; the last rank gets ``last_rank_args`` too."""
@@ -255,15 +300,22 @@ def main() -> None:
     if args.quick:
         cases = [("mid-accumulation", "2->1"), ("checkpoint-write", "2->2"), ("sigterm", "2->2")]
     else:
-        cases = [(p, c) for p in KILL_POINTS for c in CHANGES] + [("sigterm", "2->1"), ("sigterm", "2->2")]
+        cases = [(p, c) for p in KILL_POINTS for c in CHANGES] + [("sigterm", "2->1"), ("sigterm", "2->2"),
+                                                                   ("node killed", "2->1"), ("node joins", "1->2")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        refs = {n: reference(Path(tmp, f"ref{n}"), n) for n in sorted({CHANGES[c][0] for _, c in cases})}
+        refs = {n: reference(Path(tmp, f"ref{n}"), n) for n in sorted({int(c[0]) for _, c in cases})}
         for point, change in cases:
-            where = Path(tmp, f"{point}-{change.replace('->', 'to')}")
             start = time.perf_counter()
-            run = sigterm_case(where, change) if point == "sigterm" else kill_case(where, point, change)
-            row = {"kill_point": point, "change": change, **compare(run, refs[CHANGES[change][0]]),
+            where = Path(tmp, f"{point.replace(' ', '-')}-{change.replace('->', 'to')}")
+            elastic = {"node killed": node_killed_case, "node joins": node_joins_case}.get(point)
+            if elastic is not None:
+                run = elastic(where)
+            elif point == "sigterm":
+                run = sigterm_case(where, change)
+            else:
+                run = kill_case(where, point, change)
+            row = {"kill_point": point, "change": change, **compare(run, refs[int(change[0])]),
                    "seconds": round(time.perf_counter() - start, 1)}
             rows.append(row)
             print(_row_text(row), flush=True)

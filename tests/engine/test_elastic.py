@@ -52,21 +52,9 @@ def test_a_rank_killed_and_the_job_restarted_with_another_world_size_continues_e
 def test_torchrun_elastic_a_node_joins_the_running_job_sigterm_saves_and_two_ranks_continue(tmp_path, reference):
     """torchrun --nnodes=1:2 with one node: a second node joins, the agent SIGTERMs its worker to restart both
     with world size 2; save_on_sigterm loses no step (the restart resumes at the step the SIGTERM ended)."""
-    port = elastic.free_port()
-    endpoint = f"127.0.0.1:{port}"
-    args = ("--save-on-sigterm", "--hold-at", "6")  # the first node waits after step 6 until it is stopped
-    first = elastic.node(tmp_path, *args, endpoint=endpoint, host=True, env=elastic.ELASTIC_ENV)
-    try:
-        elastic.wait_for_steps(tmp_path, "steps-a0w1-r0.jsonl", 6)
-        second = elastic.node(tmp_path, *args, endpoint=endpoint, host=False, env=elastic.ELASTIC_ENV)
-        assert first.wait(timeout=240) == 0 and second.wait(timeout=60) == 0
-    finally:
-        for proc in (first, locals().get("second")):
-            if proc is not None and proc.poll() is None:
-                elastic.kill_node(proc)
-    run = elastic.combined(tmp_path)
+    run = elastic.node_joins_case(tmp_path)
     stopped = json.loads((tmp_path / "end-a0w1-r0.json").read_text())
-    assert stopped["preempted"] and stopped["step"] == 7 and run["starts"] == [0, 7] and run["redone"] == 0
+    assert stopped == {"step": 7, "preempted": True} and run["starts"] == [0, 7] and run["redone"] == 0
     assert json.loads((tmp_path / "start-a0w2.json").read_text())["world_size"] == 2
     check_exact(run, reference, same_world=False)
 
@@ -75,21 +63,7 @@ def test_torchrun_elastic_a_node_joins_the_running_job_sigterm_saves_and_two_ran
 def test_torchrun_elastic_a_node_killed_the_other_continues_alone_from_the_last_checkpoint(tmp_path, reference):
     """torchrun --nnodes=1:2 with two nodes; one node (agent and worker) is SIGKILLed mid-run: the other node's
     agent restarts its worker, which resumes alone from the last checkpoint."""
-    port = elastic.free_port()
-    endpoint = f"127.0.0.1:{port}"
-    # The peer's worker waits after step 14 (the host's in step 15's collectives) until its node is killed. (The
-    # host serves the rendezvous store: killing it would leave the other node no rendezvous.)
-    host = elastic.node(tmp_path, endpoint=endpoint, host=True, env=elastic.ELASTIC_ENV)
-    peer = elastic.node(tmp_path, "--hold-at", "14", endpoint=endpoint, host=False, env=elastic.ELASTIC_ENV)
-    try:
-        elastic.wait_for_steps(tmp_path, "steps-a0w2-r*.jsonl", 14)
-        elastic.kill_node(peer)
-        assert host.wait(timeout=240) == 0
-    finally:
-        for proc in (host, peer):
-            if proc.poll() is None:
-                elastic.kill_node(proc)
-    run = elastic.combined(tmp_path)
+    run = elastic.node_killed_case(tmp_path)
     assert json.loads((tmp_path / "start-a1w1.json").read_text())["world_size"] == 1
     assert run["starts"] == [0, 12] and run["redone"] == 2  # the checkpoint of step 12; steps 13 and 14 trained again
     check_exact(run, reference, same_world=False)
