@@ -147,8 +147,9 @@ def _time_steps(workload: Workload, train: TensorDataset, global_batch_size: int
 
     model = workload.build_model(0).to(train.tensors[0].device)  # the model goes where the data is
     optimizer = workload.make_optimizer(model.parameters(), workload.base_lr * 1e-3)  # timing only
+    extra = {} if workload.pilot_settings is None else workload.pilot_settings(train)  # e.g. gpt's token budgets
     pilot = Pilot(model, optimizer, train, batch_size=global_batch_size, progress=False, seed=0,
-                  noise_every=noise_every)
+                  noise_every=noise_every, **extra)
     times: list[float] = []
     pilot.add_callback(lambda p, record: times.append(record["perf/step_time_s"]))
     loss_fn = workload.loss_fn

@@ -78,6 +78,9 @@ class _Run:
         self.noise_scale: float | None = None
         self.noise_count: Any = None  # the engine's stats/noise_count: it moves on a step that measured statistics
         self.probe_cost_s: float | None = None  # cost-model time of auto's start probes (counted at the first step)
+        self.metric: Callable[[Any, Any], float] = evaluate  # the workload's metric (Workload.evaluate), higher is better
+        self.size_key = "batch/global_size"  # the record's step size in the batch's unit ("tokens" for token budgets)
+        self.tokens_seen: int | None = None  # with token budgets: the tokens trained so far
 
     def train_time(self, now: float | None = None) -> float:
         return (time.perf_counter() if now is None else now) - self.start - self.excluded
@@ -97,11 +100,13 @@ class _Run:
         The target is reached at the first grid point where the mean accuracy of the last ``target_window``
         grid points (this one included) is at or above it; with 1, the first point at or above it."""
         t0 = time.perf_counter()
-        acc = evaluate(self.model, self.test)
+        acc = self.metric(self.model, self.test)
         self.eval_s += time.perf_counter() - t0
         point = {"time_s": t, "cost_s": self.cost_s, "step": step, "samples_seen": samples,
                  "epochs": samples / self.num_samples, "accuracy": acc, "batch_size": batch_size,
                  "noise_scale": self.noise_scale}
+        if self.size_key == "tokens":
+            point["tokens_seen"] = self.tokens_seen or 0
         self.curve.append(point)
         if not final:
             self._window = (self._window + [acc])[-self.target_window:]
@@ -132,7 +137,8 @@ class _Run:
         measured = count is not None and count != self.noise_count  # this step measured gradient statistics
         self.noise_count = count
         if self.calibration is not None:
-            self.cost_s += self.calibration.step_time(record["batch/global_size"], measured)
+            self.cost_s += self.calibration.step_time(record[self.size_key], measured)
+        self.tokens_seen = record.get("tokens_seen")
         noise = record.get("stats/noise_scale")
         if isinstance(noise, (int, float)) and math.isfinite(noise):
             self.noise_scale = float(noise)
@@ -228,9 +234,15 @@ def _train(workload: Workload, spec: RunSpec, seed: int, train: TensorDataset, t
             settings["lr_rule"] = spec.lr_rule
     else:
         settings.update(lr_rule=spec.lr_rule, base_batch_size=spec.base_batch_size)
+    if workload.pilot_settings is not None:  # e.g. gpt's token budgets
+        settings.update(workload.pilot_settings(train))
     pilot = Pilot(model, optimizer, train, batch_size=size, controller=controller, **settings)
     run = _Run(model, test, len(train), target, budget_s, eval_every, on_eval, calibration, spec.noise_every,
                target_window)
+    if workload.evaluate is not None:
+        run.metric = workload.evaluate
+    if settings.get("batch_unit") == "tokens":
+        run.size_key = "tokens"
     pilot.add_callback(run)
     loss_fn = workload.loss_fn
     model.train()
@@ -276,6 +288,7 @@ def _result(spec: RunSpec, seed: int, run: _Run, pilot: Any, rollbacks: list[dic
         "cost_model_time_to_target_s": at_target("cost_s") if calibration is not None else None,
         "steps_to_target": at_target("step"),
         "samples_to_target": at_target("samples_seen"),
+        **({"tokens_to_target": at_target("tokens_seen"), "tokens": run.tokens_seen} if run.size_key == "tokens" else {}),
         "epochs_to_target": at_target("epochs"),
         "final_accuracy": run.curve[-1]["accuracy"],
         "best_accuracy": max(p["accuracy"] for p in run.curve),

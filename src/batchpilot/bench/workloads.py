@@ -31,12 +31,23 @@ import functools
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
 from .cifar import CIFAR_FOLDERS, cifar_resnet, load_cifar
+from .gpt import (
+    GPT_QUICK_TARGET_SCORE,
+    GPT_TARGET_SCORE,
+    gpt_loss,
+    gpt_model,
+    gpt_optimizer,
+    gpt_pilot_settings,
+    gpt_score,
+)
+from .gpt_data import gpt_data
 from .markov import markov_data, markov_gru
 from .mnist1d import MNIST1D_NUM_SAMPLES, MNIST1DCNN, cache_dir, load_mnist1d, mnist1d_cnn, mnist1d_data
 from .seeding import seeded_model
@@ -85,6 +96,10 @@ class Workload:
         in_all: Whether ``--workload all`` includes it.
         grid: The batch sizes ``tuned-static:grid`` (in the ``default`` set) tunes: powers of two from the first
             to the second.
+        evaluate: ``evaluate(model, test) -> float``, the metric the target is set in, higher is better (``None``:
+            top-1 accuracy; ``gpt``: ``exp(-validation loss)``, :func:`~batchpilot.bench.gpt.gpt_score`).
+        pilot_settings: ``pilot_settings(train) -> dict`` of further ``Pilot`` arguments for every run and the
+            calibration (``gpt``: token budgets, :func:`~batchpilot.bench.gpt.gpt_pilot_settings`); ``None``: none.
         smith_every_epochs: Doubling interval of ``ramp-smith``: about a quarter of the epochs the best
             static batch needs to reach the target (measured once), so the batch doubles at 1/4, 1/2
             and 3/4 of the run, where Smith et al. 2018 would have decayed the LR.
@@ -111,6 +126,8 @@ class Workload:
     in_all: bool = True
     smith_every_epochs: float = 2.0
     grid: tuple[int, int] = (32, 1024)
+    evaluate: Callable[[nn.Module, TensorDataset], float] | None = None
+    pilot_settings: Callable[[TensorDataset], dict[str, Any]] | None = None
 
 
 # ---------------------------------------------------------------------------------------- synthetic
@@ -234,6 +251,31 @@ WORKLOADS: dict[str, Workload] = {
             max_batch_size=1024,
             in_all=False,
             smith_every_epochs=0.25,
+        ),
+        Workload(
+            name="gpt",
+            description="a byte-level GPT (2 pre-LN layers, width 64, context 64, ~121k params) on 48 Python "
+            "standard-library modules' source (one document per module, 6 held out; 1.12M training tokens in "
+            "variable-length blocks); batches in tokens; AdamW, lr 0.002 at 2048 tokens, sqrt LR rule; the "
+            "metric is exp(-validation loss)",
+            build_data=gpt_data,
+            build_model=gpt_model,
+            base_lr=0.002,
+            base_batch_size=2048,
+            make_optimizer=gpt_optimizer,
+            loss_fn=gpt_loss,
+            lr_rule="sqrt",
+            evaluate=gpt_score,
+            pilot_settings=gpt_pilot_settings,
+            target_accuracy=GPT_TARGET_SCORE,
+            quick_target_accuracy=GPT_QUICK_TARGET_SCORE,
+            budget_s=180.0,
+            quick_budget_s=60.0,
+            min_batch_size=512,  # tokens, as every size of this workload
+            max_batch_size=16384,
+            grid=(1024, 16384),
+            smith_every_epochs=0.5,
+            in_all=False,  # its sizes count tokens: the sample-sized named sets (static:32, ramp:32-512) do not fit
         ),
         _cifar_workload("cifar10", "CIFAR-10", 10, target=0.75, quick_target=0.6),
         _cifar_workload("cifar100", "CIFAR-100 (fine labels)", 100, target=0.40, quick_target=0.25),
