@@ -9,12 +9,15 @@ is its order, once) and a checkpoint resumes under any world size.
 
 **Rank shares.** The global batch is cut into contiguous shares whose token counts are nearest to each rank's
 quota (``T / world_size``, or ``T w_r / sum(w)`` with ``rank_weights``): each cut is the sample boundary nearest
-its quota's cumulative target (ties to the lower boundary, exact integer/rational arithmetic, so every rank
-computes the same cuts), moved where needed so that every rank has a sample while the batch has as many samples
-as ranks. A cut is off its target by at most half a sample, so each rank is within one sample's length of its
-quota. Contiguous shares keep the order's concatenation equal to the epoch's order (the sample mode's guarantee)
-and need no communication; the step's gradient is exact whatever the split (:mod:`batchpilot.engine.accumulate`
-weights each micro-batch by its tokens over the global batch's tokens).
+its quota's cumulative target (ties to the lower boundary; exact integer/rational arithmetic, so every rank
+computes the same cuts without communicating), so it is off its target by at most half a sample. A cut that would
+leave a rank without a sample moves to the next boundary; a batch of fewer samples than ranks gives one sample to
+each of the first ranks (the others run a ghost micro-batch, as in samples). Contiguous shares keep the order's
+concatenation equal to the epoch's order (the sample mode's guarantee); the step's gradient is exact whatever the
+split (:mod:`batchpilot.engine.accumulate` weights each micro-batch by its tokens over the global batch's tokens).
+A non-contiguous split (longest-first to the emptiest rank) would balance a little better, at the price of that
+guarantee and of a sort per step: here a rank's tokens are within one sample of its quota (half a sample at each
+end), unless a cut moved to keep a rank non-empty (then, in random tests, within 1.6 samples).
 
 **Micro-batches.** Every rank runs the same number ``A`` of micro-batches: the most any rank needs so that none
 holds more than ``max_micro_batch_tokens`` tokens (a longer sample has one of its own) or ``max_micro_batch_size``
@@ -101,12 +104,6 @@ def _named_lengths(dataset: Any, name: str) -> Any:
     """The lengths held by ``dataset``'s attribute or column ``name``."""
     columns = getattr(dataset, "column_names", None)
     if isinstance(columns, (list, tuple)) and name in columns:  # a Hugging Face datasets.Dataset: the column only
-        table: Any = getattr(dataset, "data", None)
-        column = table.column(name) if hasattr(table, "column") else None
-        if column is not None and "list" in str(column.type):
-            import pyarrow.compute as pc  # type: ignore[import-untyped]  # (datasets depends on pyarrow)
-
-            return pc.list_value_length(column).to_numpy(zero_copy_only=False).tolist()
         values = dataset[name]
         return [len(v) for v in values] if len(values) and isinstance(values[0], (Sequence, np.ndarray)) else values
     if hasattr(dataset, name):
@@ -123,6 +120,8 @@ def token_share_bounds(cumulative: np.ndarray, world_size: int,
     (``[0, l_0, l_0 + l_1, ...]``): contiguous shares, each cut at the sample boundary nearest its quota (see the
     module docstring)."""
     count, total = len(cumulative) - 1, int(cumulative[-1])
+    if count <= world_size:  # a sample per rank, the first ranks first (as in samples); the rest have none
+        return [(min(r, count), min(r + 1, count)) for r in range(world_size)]
     if weights is None:
         fractions = [Fraction(r, world_size) for r in range(1, world_size)]
     else:
@@ -134,9 +133,7 @@ def token_share_bounds(cumulative: np.ndarray, world_size: int,
         j = int(np.searchsorted(cumulative, float(target)))
         candidates = [c for c in (j - 1, j, j + 1) if 0 <= c <= count]
         cut = min(candidates, key=lambda c: (abs(int(cumulative[c]) - target), c))
-        low = previous + 1 if count >= world_size else previous
-        high = count - (world_size - r) if count >= world_size else count
-        cut = min(max(cut, low), high)
+        cut = min(max(cut, previous + 1), count - (world_size - r))  # every rank keeps a sample
         cuts.append(cut)
         previous = cut
     cuts.append(count)

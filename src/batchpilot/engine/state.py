@@ -113,7 +113,8 @@ class PilotState:
                           min_batch_size=dec.min_batch_size, max_batch_size=dec.max_batch_size,
                           log_clamp=self.log_clamp)
         if self.log.tensorboard is not None:
-            self.log.tensorboard.resume_after(self.driver.samples_seen)
+            tokens = self.loader.sampler.token_plan is not None  # (the driver then counts tokens; the x axis samples)
+            self.log.tensorboard.resume_after(self.loader.position()[2] if tokens else self.driver.samples_seen)
         if in_loop or self.coupling.is_scaled:
             # The loop goes on with the loaded position (or a state_dict() taken between steps holds a scaled
             # coupling): the factor of its next step's real size, which this Pilot's bounds may have changed.
