@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
 from .._auto import auto_controller
+from .._rank_shares import with_lead_share
 from .auto import start_probes
 from .run import HFRun
 from .step import StepPasses
@@ -69,6 +70,7 @@ class BatchpilotCallback(TrainerCallback):
         loss = run.end_step()
         state.epoch = run.virtual_epoch  # logged as `epoch`: passes over the data by samples (seed 003)
         stats = {} if run.stats is None else run.stats.end_step(run.driver.step, loss, run.max_micro_batch_size)
+        stats = with_lead_share(stats, run.rank_weights, run.world_size) or {}  # rank_weights: rank 0's share
         if self.passes.grad_norm is not None:
             stats["grad/norm"] = self.passes.grad_norm
         try:
@@ -132,12 +134,16 @@ class SampleProgressCallback(ProgressCallback):
 
 
 def add_logs(logs: dict[str, float], run: HFRun | None) -> None:
-    """Add ``train_coverage``, ``batch_size`` and ``samples_seen`` to a training log (``epoch`` is already the
-    coverage-based one), and count train speed in real samples."""
+    """Add ``train_coverage``, ``batch_size`` and ``samples_seen`` (with tokens: ``tokens``, ``tokens_seen``) to a
+    training log (``epoch`` is already the coverage-based one), and count train speed in real samples."""
     if run is not None and "loss" in logs:
         logs["train_coverage"] = round(run.coverage, 6)
         logs["batch_size"] = run.last_step.global_size if run.last_step is not None else run.batch_size
         logs["samples_seen"] = run.samples_seen
+        if run.tokens_seen is not None:  # batch_unit="tokens": the last step's tokens and all so far
+            last = run.last_step.global_tokens if run.last_step is not None else None
+            logs["tokens"] = last if last is not None else run.batch_size
+            logs["tokens_seen"] = run.tokens_seen
         if run.coupling is not None:
             logs["lr_factor"] = run.step_lr_factor  # of the last step (logged learning_rate is unscaled)
         noise = None if run.stats is None else run.stats.stats.get("stats/noise_scale")

@@ -53,9 +53,11 @@ def check_train_dataset(dataset: Any) -> None:
 
 
 def build_loader(dataset: Any, collator: Any, args: Any, *, global_batch_size: int, world_size: int,
-                 wrap_loader: Callable[[torch.utils.data.DataLoader], Any]) -> AdaptiveDataLoader:
+                 wrap_loader: Callable[[torch.utils.data.DataLoader], Any], batch_unit: str = "samples",
+                 lengths: Any = None) -> AdaptiveDataLoader:
     """The rank's adaptive loader with the TrainingArguments' data settings; ``wrap_loader`` prepares each
-    DataLoader it builds (accelerate's device placement and look-ahead)."""
+    DataLoader it builds (accelerate's device placement and look-ahead). With ``batch_unit="tokens"`` the sizes
+    count tokens (``lengths``: every sample's)."""
     workers = args.dataloader_num_workers
     extra: dict[str, Any] = {"in_order": True}  # micro-batches must arrive in the order they were planned
     if workers > 0:
@@ -79,6 +81,8 @@ def build_loader(dataset: Any, collator: Any, args: Any, *, global_batch_size: i
         accumulation_steps=args.gradient_accumulation_steps,
         wrap_loader=wrap_loader,
         dataloader_kwargs=extra,
+        batch_unit=batch_unit,
+        lengths=lengths,
     )
 
 
@@ -164,11 +168,12 @@ def mask_labels(data: Any, floats: bool = False) -> Any:
     return {**data, **masked} if masked else data
 
 
-def split_rows(inputs: Any, max_rows: int | None) -> list[tuple[Any, int]]:
+def split_rows(inputs: Any, max_rows: int | None, sizes: list[int] | None = None) -> list[tuple[Any, int]]:
     """``inputs`` (a dict or tuple of batch-first tensors) cut into chunks of at most ``max_rows`` rows, with
     each chunk's row count. The rows are those of the first tensor with a dimension; they split as evenly as
-    possible (chunk sizes differ by at most one); values that are not tensors with that many rows along dim 0
-    go to every chunk as they are. One chunk when ``max_rows`` is ``None`` or the batch fits.
+    possible (chunk sizes differ by at most one), or into chunks of ``sizes`` rows when given (they must add up to
+    the rows); values that are not tensors with that many rows along dim 0 go to every chunk as they are. One
+    chunk when ``max_rows`` and ``sizes`` are ``None`` or the batch fits.
 
     Raises:
         TypeError: ``max_rows`` is set but ``inputs`` is not a mapping or tuple/list holding such a tensor.
@@ -178,7 +183,7 @@ def split_rows(inputs: Any, max_rows: int | None) -> list[tuple[Any, int]]:
     else:
         values = list(inputs) if isinstance(inputs, (tuple, list)) else []
     rows = next((int(v.shape[0]) for v in values if isinstance(v, torch.Tensor) and v.dim() > 0), None)
-    if max_rows is None:
+    if max_rows is None and sizes is None:
         return [(inputs, rows or 0)]
     if rows is None:
         raise TypeError(
@@ -186,10 +191,18 @@ def split_rows(inputs: Any, max_rows: int | None) -> list[tuple[Any, int]]:
             f"tensors (rows along dim 0); got a {type(inputs).__name__} without one. Use a collator that returns "
             "a dict of tensors."
         )
-    if rows <= max_rows:
+    if sizes is None:
+        assert max_rows is not None
+        if rows <= max_rows:
+            return [(inputs, rows)]
+        sizes = [stop - start for start, stop in split_even(rows, -(-rows // max_rows))]
+    elif sum(sizes) != rows:
+        raise ValueError(f"a micro-batch of {rows} rows cannot be cut into passes of {sizes} samples: passes bounded "
+                         "in tokens need one row per sample (a padding-free collator packs several); drop "
+                         "max_micro_batch_tokens or use a collator that keeps samples in rows.")
+    if len(sizes) == 1:
         return [(inputs, rows)]
-    chunks = -(-rows // max_rows)
-    sizes = [stop - start for start, stop in split_even(rows, chunks)]
+    chunks = len(sizes)
 
     def cut(value: Any) -> list[Any]:
         if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:

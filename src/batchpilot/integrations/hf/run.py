@@ -6,6 +6,7 @@ coupling together, keeps the step in flight, and is what ``trainer.batchpilot`` 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,8 @@ class StepRecord:
         epoch, offset: Position of the step's first sample (epoch, samples of it consumed before).
         indices: This rank's dataset indices in the step, ghost micro-batches excluded.
         ghosts: Micro-batches of this rank that carried no sample of its own (weighted 0).
+        global_tokens, local_tokens: With ``batch_unit="tokens"``, the step's tokens over all ranks and on this
+            rank (``None`` otherwise).
     """
 
     step: int
@@ -42,6 +45,13 @@ class StepRecord:
     offset: int
     indices: np.ndarray
     ghosts: int
+    global_tokens: int | None = None
+    local_tokens: int | None = None
+
+    @property
+    def global_units(self) -> int:
+        """The step's size in the batch unit: samples, or tokens."""
+        return self.global_size if self.global_tokens is None else self.global_tokens
 
 
 class HFRun:
@@ -56,6 +66,10 @@ class HFRun:
         lr_rule, lr_knee: LR coupling (see :func:`batchpilot.lr.lr_factor`); base batch size = first size.
         max_micro_batch_size: Most rows per forward/backward (``None``: a micro-batch runs whole); lowered by
             :meth:`restart_step` after running out of memory, and saved in :meth:`state_dict`.
+        max_micro_batch_tokens: With ``batch_unit="tokens"``, most tokens per forward/backward.
+
+    With ``batch_unit="tokens"`` the driver (the controller, the LR coupling and schedule, the noise scale) counts
+    tokens; ``samples_seen``, epochs and coverage still count samples.
     """
 
     def __init__(
@@ -68,6 +82,7 @@ class HFRun:
         lr_rule: Any = "none",
         lr_knee: int = 4096,
         max_micro_batch_size: int | None = None,
+        max_micro_batch_tokens: int | None = None,
     ) -> None:
         self.loader = loader
         self.driver = driver
@@ -83,6 +98,10 @@ class HFRun:
         self._loss: torch.Tensor | float = 0.0
         self.stats: Any = None  # a StepStats when the controller reads gradient statistics
         self.max_micro_batch_size = max_micro_batch_size
+        self.max_micro_batch_tokens = max_micro_batch_tokens
+        plan = loader.sampler.token_plan
+        self.lengths = None if plan is None else plan.lengths  # every sample's tokens (batch_unit="tokens")
+        self._samples = 0  # samples of completed steps (the driver counts the batch unit)
         self.oom_replays = 0  # steps run again after running out of memory (this train() call)
         self.decided: int | None = None  # the controller's last size (the loader's may be cut to the samples left)
         self.samples_at_start = 0  # samples_seen when this train() call began (its throughput counts from there)
@@ -100,7 +119,21 @@ class HFRun:
     @property
     def samples_seen(self) -> int:
         """Samples of completed steps, over all ranks."""
-        return self.driver.samples_seen
+        return self._samples if self.lengths is not None else self.driver.samples_seen
+
+    @property
+    def tokens_seen(self) -> int | None:
+        """Tokens of completed steps, over all ranks (``None`` unless ``batch_unit="tokens"``)."""
+        return None if self.lengths is None else self.driver.samples_seen
+
+    @property
+    def total_units(self) -> int | None:
+        """What the LR schedule runs over: ``total_samples``, or in tokens ``num_train_epochs`` worth of the
+        dataset's tokens (``None`` with ``max_steps``)."""
+        plan = self.loader.sampler.token_plan
+        if self.total_samples is None or plan is None:
+            return self.total_samples
+        return math.ceil(self.total_samples / self.loader.sampler.num_samples * plan.total_tokens)
 
     @property
     def epoch(self) -> int:
@@ -120,7 +153,7 @@ class HFRun:
     @property
     def virtual_epoch(self) -> float:
         """``samples_seen / len(dataset)`` (seed 003's logged ``epoch``)."""
-        return self.driver.samples_seen / self.loader.sampler.num_samples
+        return self.samples_seen / self.loader.sampler.num_samples
 
     def finished(self, num_train_epochs: float) -> bool:
         """Training by epochs, all of them are done: every sample counted, or every epoch covered
@@ -141,6 +174,8 @@ class HFRun:
         Dividing micro-batch ``m``'s mean loss by ``B / (world_size * n_m)`` weights it by its share of the
         global batch (DDP then averages over ranks), so the step's gradient is the mean over all ``B``
         samples whatever the split; a ghost micro-batch (``n_m = 0``) gets an infinite divisor (weight 0).
+        With ``batch_unit="tokens"``, ``B`` and ``n_m`` are tokens: a loss that is the mean over the micro-batch's
+        tokens then gives the mean over the global batch's tokens.
         """
         first = micro[0]
         own = [m.indices for m in micro if not m.ghost]
@@ -153,10 +188,12 @@ class HFRun:
             offset=first.offset,
             indices=np.concatenate(own) if own else np.empty(0, dtype=np.int64),
             ghosts=len(micro) - len(own),
+            global_tokens=first.global_tokens,
+            local_tokens=first.local_tokens,
         )
         self._loss = 0.0
         return [
-            first.global_size / (self.world_size * m.size) if m.size else float("inf") for m in micro
+            first.global_units / (self.world_size * m.units) if m.units else float("inf") for m in micro
         ]
 
     def restart_step(self, max_micro_batch_size: int) -> None:
@@ -173,8 +210,8 @@ class HFRun:
         self._loss = self._loss + loss.detach()
 
     def lr_clock(self) -> int:
-        """Samples seen once the step in flight is done (what a sample-based LR schedule steps to)."""
-        return self.driver.samples_seen + (self.inflight.global_size if self.inflight is not None else 0)
+        """Samples (tokens) seen once the step in flight is done (what a sample-based LR schedule steps to)."""
+        return self.driver.samples_seen + (self.inflight.global_units if self.inflight is not None else 0)
 
     def end_step(self) -> float:
         """Count the step in flight; return its mean loss over all ranks (a collective when distributed)."""
@@ -188,7 +225,8 @@ class HFRun:
             loss = bpdist.all_reduce_sum(loss)
         # Each micro-batch returned mean * W * n / B, so the sum over all ranks is W times the global mean.
         self.last_loss = float(loss[0]) / self.world_size
-        self.driver.end_step(step.global_size, self.last_loss)
+        self.driver.end_step(step.global_units, self.last_loss)
+        self._samples += step.global_size
         self.last_step, self.inflight = step, None
         return self.last_loss
 
@@ -215,7 +253,8 @@ class HFRun:
         steps; rewinds whatever was prefetched at another size)."""
         global_batch_size = self.decided if self.decided is not None else self.loader.batch_size
         total, sampler = self.total_samples, self.loader.sampler
-        left = None if total is None else total - self.driver.samples_seen
+        # In tokens the budget is no sample count: a fractional num_train_epochs ends at the first step past it.
+        left = None if total is None or self.lengths is not None else total - self.driver.samples_seen
         if total is not None and sampler.drop_last and total % sampler.num_samples == 0:
             # Whole epochs with drop_last: the final epoch ends as every other, its tail dropped when smaller than
             # the decided size (epochs_done() then ends the run). Cut to `left`, that tail would be trained as a
@@ -256,12 +295,14 @@ class HFRun:
             "max_micro_batch_size": self.max_micro_batch_size,
             "decided": self.decided,
             "rank_weights": None if self.shares is None else self.shares.state_dict(),
+            "samples_seen": self.samples_seen,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output (possibly saved under another world size)."""
         self.loader.load_state_dict(state["loader"])
         self.driver.load_state_dict(state["driver"])
+        self._samples = int(state.get("samples_seen", self.driver.samples_seen))
         self._coupling_state = state.get("coupling")
         if self.stats is not None and state.get("stats") is not None:
             self.stats.load_state_dict(state["stats"])

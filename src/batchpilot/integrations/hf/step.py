@@ -9,12 +9,14 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from ...engine.replay import error_summary, is_out_of_memory
 from .._step_stats import StepStats
 from .data import mask_labels, split_rows
 from .run import HFRun, StepRecord
+from .tokens import token_pieces
 
 logger = logging.getLogger("batchpilot")
 
@@ -66,8 +68,9 @@ class StepPasses:
         self._train_pass = train_pass
         self.oom_recovery = oom_recovery
         self.split_measured = split_measured
-        # (loss divisor, micro-batch size, is_last) of each micro-batch of the step in flight, its inputs, the next
-        self._plan: list[tuple[float, int, bool]] = []
+        # (loss divisor, micro-batch size, is_last, its rows' tokens or None) of each micro-batch of the step in
+        # flight (sizes in the batch unit: samples, or tokens), its inputs, the next
+        self._plan: list[tuple[float, int, bool, Any]] = []
         self._inputs: list[Any] = []
         self._next = 0
         self._failed_rows = 0
@@ -84,11 +87,13 @@ class StepPasses:
     def begin(self, run: HFRun, micro: list[Any], model_wrapped: Any) -> tuple[list[Any], list[Any] | None]:
         """Plan the step made of ``micro``: its inputs for Trainer, and (a loss normalised by
         ``num_items_in_batch``) the inputs whose items Trainer counts, ghosts' labels masked; else ``None``."""
-        self._plan = [(d, m.size, m.is_last) for d, m in zip(run.begin_step(micro), micro)]
+        lengths = run.lengths  # batch_unit="tokens": each row's tokens weight its pass
+        self._plan = [(d, m.units, m.is_last, None if lengths is None or m.ghost else lengths[m.indices])
+                      for d, m in zip(run.begin_step(micro), micro)]
         self._next = 0
         if run.stats is not None:
             run.stats.attach(model_wrapped)  # DDP exists by now (Trainer wraps after on_train_begin)
-            run.stats.begin_step(run.driver.step, micro[0].global_size, run.driver.num_samples)
+            run.stats.begin_step(run.driver.step, micro[0].global_units, run.driver.num_samples)
         data = [m.data for m in micro]
         owns_scaling = loss_owns_scaling(self.trainer)
         if owns_scaling:  # a loss normalised by num_items_in_batch: ghosts' integer labels -100 add no loss
@@ -125,34 +130,42 @@ class StepPasses:
         return loss
 
     def _passes(self, run: HFRun, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any,
-                plan: tuple[float, int, bool], *, first: bool) -> torch.Tensor:
+                plan: tuple[float, int, bool, Any], *, first: bool) -> torch.Tensor:
         """Forward and backward of one micro-batch, in passes of at most ``run.max_micro_batch_size`` rows
-        (``first``: the step's first micro-batch)."""
+        (and ``run.max_micro_batch_tokens`` tokens; ``first``: the step's first micro-batch)."""
         step = _active(run)
         trainer = self.trainer
-        micro_batch_size, last = plan[1], plan[2]
+        micro_batch_size, last, row_tokens = plan[1], plan[2], plan[3]
         divisor = None if loss_owns_scaling(trainer) else plan[0]
         stats = run.stats
         max_rows = run.max_micro_batch_size
         rows = split_rows(inputs, None)[0][1]
         if stats is not None and stats.measuring and self.split_measured and rows >= 2:
             max_rows = min(max_rows or rows, -(-rows // 2))  # the step's only micro-batch: two passes, two small ones
-        pieces = split_rows(inputs, max_rows)
+        if row_tokens is None:
+            pieces = split_rows(inputs, max_rows)
+            units = [n for _, n in pieces]  # a piece's share of the micro-batch, in rows
+        else:  # batch_unit="tokens": passes balanced in tokens, each weighted by its tokens
+            pieces = split_rows(inputs, None, token_pieces(row_tokens, max_rows, run.max_micro_batch_tokens))
+            ends = np.cumsum([n for _, n in pieces])
+            units = [int(row_tokens[end - n:end].sum()) for (_, n), end in zip(pieces, ends)]
+        total = sum(units)
         loss: torch.Tensor | None = None
         for i, (part, n) in enumerate(pieces):
             if divisor is not None:
-                # Trainer divides the loss by this number: B / (W * m) weights the micro-batch's m rows by
-                # their share of the global batch; a piece of n rows carries n / m of it.
-                trainer.current_gradient_accumulation_steps = divisor * rows / n if len(pieces) > 1 else divisor
+                # Trainer divides the loss by this number: B / (W * m) weights the micro-batch's m rows (tokens) by
+                # their share of the global batch; a piece of n of them carries n / m of it.
+                trainer.current_gradient_accumulation_steps = divisor * total / units[i] if len(pieces) > 1 \
+                    else divisor
             if stats is not None:
                 stats.begin_micro()
             # All pieces but the last accumulate without DDP's all-reduce (the last one does what Trainer set).
             sync = trainer.accelerator.no_sync(model) if i < len(pieces) - 1 else contextlib.nullcontext()
             self._failed_rows = n
             self.ghost = micro_batch_size == 0
-            # Samples, not rows: a padding-free collator packs a micro-batch into one row (rows are samples
+            # Samples (tokens), not rows: a padding-free collator packs a micro-batch into one row (rows are samples
             # only where the micro-batch was split into passes). A ghost's borrowed row is no sample.
-            own = (micro_batch_size if len(pieces) == 1 else n) if micro_batch_size else 0
+            own = (micro_batch_size if len(pieces) == 1 else units[i]) if micro_batch_size else 0
             if run.shares is not None and run.shares.timed:
                 self._timed = (run.shares, own, first and i == 0)  # compute_loss times the forward
             try:
@@ -166,7 +179,7 @@ class StepPasses:
                     stats.end_micro(own)
                 # Each pass is a small batch of the noise scale. Trainer divided its loss by B / (W n): the .grad
                 # increment is W n / B times its mean gradient (fp16: .grad also holds the loss scale).
-                to_mean = trainer.data_parallel_size * own / step.global_size
+                to_mean = trainer.data_parallel_size * own / step.global_units
                 stats.after_micro(own, last and i == len(pieces) - 1, to_mean,
                                   getattr(trainer.accelerator, "scaler", None))
             loss = piece_loss if loss is None else loss + piece_loss

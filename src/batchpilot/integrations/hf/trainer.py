@@ -15,6 +15,7 @@ from transformers import Trainer
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import SaveStrategy
 
+from ...controllers.auto import Auto
 from ...controllers.boundary import needs_gradient_stats
 from ...engine.driver import SizeDriver
 from ...engine.replay import keep_finished_step
@@ -42,6 +43,7 @@ from .run import HFRun
 from .schedule import sample_schedule
 from .state import checkpoint_folder, read_state, resolve_resume, write_state
 from .step import StepPasses, loss_owns_scaling, step_stats
+from .tokens import check_token_settings, resolve_lengths
 
 __all__ = ["AdaptiveBatchSizeTrainer"]
 
@@ -89,6 +91,16 @@ class AdaptiveBatchSizeTrainer(Trainer):
             (weights from each rank's measured forward time per sample, re-estimated every 10 steps, smoothed, with
             hysteresis, agreed through rank 0: :class:`batchpilot.engine.rank_balance.RankBalancer`). The loss
             weighting keeps every step's gradient the mean over its global batch (LB-BSP, arXiv 1806.02508).
+        batch_size: The first step's global batch size in ``batch_unit`` (default: Trainer's total train batch,
+            ``per_device_train_batch_size x world_size x gradient_accumulation_steps`` samples). Required in tokens.
+        batch_unit: ``"samples"`` (default) or ``"tokens"``: sizes (the scheduler's, the bounds, ``batch_size``) count
+            tokens; each step takes the next samples of the epoch order while their tokens stay within the budget
+            (at least one; never split or skipped), shares and micro-batches are balanced in tokens, and every
+            micro-batch's loss is weighted by its tokens over the global batch's (docs/integrations-hf.md).
+        lengths: With tokens: every sample's token count (a sequence), or the name of a dataset attribute or column
+            holding it (a column of sequences gives their lengths), read once.
+        max_micro_batch_tokens: With tokens: most tokens per forward/backward on a device; a micro-batch with more
+            runs as several passes, balanced in tokens (a longer sample alone).
 
     Attributes:
         batchpilot: The :class:`HFRun` of the current (or last) ``train()`` call: ``batch_size`` (next
@@ -118,10 +130,18 @@ class AdaptiveBatchSizeTrainer(Trainer):
         max_micro_batch_size: int | None = None,
         oom_recovery: bool = False,
         rank_weights: str | Sequence[float] | None = None,
+        batch_size: int | None = None,
+        batch_unit: str = "samples",
+        lengths: Any = None,
+        max_micro_batch_tokens: int | None = None,
         **kwargs: Any,
     ) -> None:
         batch_size_scheduler = resolve_auto(batch_size_scheduler)
         check_scheduler_argument(batch_size_scheduler)
+        check_token_settings(batch_unit, lengths, max_micro_batch_tokens, batch_size,
+                             isinstance(batch_size_scheduler, Auto))
+        self._bp_batch_size, self._bp_unit = batch_size, (batch_unit, lengths, max_micro_batch_tokens)
+        self._bp_lengths: tuple[Any, Any] | None = None  # (the dataset, its token counts), read once
         super().__init__(*args, **kwargs)
         check_arguments(self)
         self.args.ignore_data_skip = True  # the sampler restores the position; Trainer's batch skipping cannot
@@ -169,7 +189,9 @@ class AdaptiveBatchSizeTrainer(Trainer):
 
     @property
     def initial_batch_size(self) -> int:
-        """Global size of the first step: per-device batch x world size x gradient accumulation steps."""
+        """Global size of the first step: ``batch_size=``, else per-device batch x world size x accumulation steps."""
+        if self._bp_batch_size is not None:
+            return int(self._bp_batch_size)
         return self.args.per_device_train_batch_size * self.data_parallel_size * self.args.gradient_accumulation_steps
 
     def _new_driver(self, num_samples: int) -> SizeDriver:
@@ -201,16 +223,22 @@ class AdaptiveBatchSizeTrainer(Trainer):
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
         args, world_size = self.args, self.data_parallel_size
+        unit, lengths, max_tokens = self._bp_unit
+        if self._bp_lengths is None or self._bp_lengths[0] is not self.train_dataset:  # read once per dataset
+            self._bp_lengths = (self.train_dataset, resolve_lengths(self.train_dataset, lengths, unit))
         loader = build_loader(dataset, collator, args, global_batch_size=self.initial_batch_size,
-                              world_size=world_size, wrap_loader=self._prepare_train_loader)
+                              world_size=world_size, wrap_loader=self._prepare_train_loader, batch_unit=unit,
+                              lengths=self._bp_lengths[1])
+        plan = loader.sampler.token_plan  # batch_unit="tokens": the controller's unit is tokens
         run = HFRun(
             loader,
-            self._new_driver(len(dataset)),
+            self._new_driver(len(dataset) if plan is None else plan.total_tokens),
             world_size=world_size,
             total_samples=None if args.max_steps > 0 else math.ceil(args.num_train_epochs * len(dataset)),
             lr_rule=self._bp_lr[0],
             lr_knee=self._bp_lr[1],
             max_micro_batch_size=self._bp_max_micro_batch_size,
+            max_micro_batch_tokens=max_tokens,
         )
         run.driver.min_useful = world_size * args.gradient_accumulation_steps
         run.shares = RankShares(self._bp_rank_weights, loader=loader, world_size=world_size, rank=args.process_index,
@@ -243,10 +271,11 @@ class AdaptiveBatchSizeTrainer(Trainer):
         """With ``max_steps`` set, Trainer's schedule (the step count is exact). Otherwise the same schedule
         type in samples: ``num_train_epochs * len(train_dataset)`` long, stepped to ``samples_seen``."""
         run = self.batchpilot
-        if self.lr_scheduler is not None or run is None or run.total_samples is None:
+        total = None if run is None else run.total_units  # samples, or tokens with batch_unit="tokens"
+        if self.lr_scheduler is not None or run is None or total is None:
             return super().create_scheduler(num_training_steps, optimizer)
         self.lr_scheduler: Any = sample_schedule(
-            self.args, optimizer if optimizer is not None else self.optimizer, total_samples=run.total_samples,
+            self.args, optimizer if optimizer is not None else self.optimizer, total_samples=total,
             initial_batch_size=self.initial_batch_size, clock=run.lr_clock,
         )
         self._created_lr_scheduler = True

@@ -1,0 +1,262 @@
+"""AdaptiveBatchSizeTrainer(batch_unit="tokens"): token-bounded global batches from the dataset's lengths, exact
+coverage, exact token-weighted gradients (float64, against plain SGD on each global batch's mean loss per token),
+passes bounded in tokens, the controller, LR schedule and logs in tokens, a real transformers causal LM, resume,
+and the settings it refuses.
+
+Expected batches come from data.tokens.plan_token_batch over the sampler's epoch order (a pure reference)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from _hf_common import SizeList
+from _hf_helpers import exact_sgd, quiet_args
+from torch.utils.data import Dataset
+from transformers import TrainerCallback
+
+from batchpilot.controllers import Auto
+from batchpilot.data import AdaptiveBatchSampler
+from batchpilot.data.tokens import plan_token_batch
+from batchpilot.integrations.hf import AdaptiveBatchSizeTrainer
+
+N, VOCAB = 40, 11
+BUDGETS = [30, 55, 12, 80, 3, 41]  # 3: below the longest sample (a step of one sample)
+
+
+class Sequences(Dataset):
+    """Variable-length token sequences (2 to 14 tokens), each token's label the next token mod VOCAB."""
+
+    def __init__(self, n: int = N, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.seqs = [rng.integers(0, VOCAB, int(rng.integers(2, 15))) for _ in range(n)]
+        self.lengths = [len(s) for s in self.seqs]
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __getitem__(self, i: int) -> dict:
+        ids = torch.as_tensor(self.seqs[i])
+        return {"input_ids": ids, "labels": (ids * 3 + 1) % VOCAB, "sample_id": torch.tensor(i)}
+
+
+def pad(samples: list[dict]) -> dict:
+    longest = max(len(s["input_ids"]) for s in samples)
+    ids = torch.zeros(len(samples), longest, dtype=torch.long)
+    labels = torch.full((len(samples), longest), -100)
+    for row, s in enumerate(samples):
+        ids[row, :len(s["input_ids"])] = s["input_ids"]
+        labels[row, :len(s["labels"])] = s["labels"]
+    batch = {"input_ids": ids, "labels": labels}
+    if "sample_id" in samples[0]:  # (Trainer removed it where the model does not take it)
+        batch["sample_id"] = torch.stack([s["sample_id"] for s in samples])
+    return batch
+
+
+class TokenNet(torch.nn.Module):
+    """Per-token classifier, float64; its loss is the mean over the micro-batch's labelled tokens. Records the
+    sample ids and the tokens of every forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(VOCAB, 6).double()
+        self.out = torch.nn.Linear(6, VOCAB).double()
+        self.seen: list[list[int]] = []
+        self.tokens: list[int] = []
+
+    def forward(self, input_ids, labels=None, sample_id=None):
+        if self.training and sample_id is not None:
+            self.seen.append(sample_id.tolist())
+            self.tokens.append(int((labels != -100).sum()))
+        logits = self.out(torch.tanh(self.emb(input_ids)))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
+        return {"loss": loss, "logits": logits}
+
+
+def expected_steps(data: Sequences, budgets: list[int], first: int, epochs: int, seed: int = 0) -> list[list[int]]:
+    """Each step's dataset indices: plan_token_batch over the epoch order, budgets in decision order."""
+    order = AdaptiveBatchSampler(len(data), 1, seed=seed).order
+    lengths = np.asarray(data.lengths)
+    steps, budget, nxt = [], first, iter(budgets * 20)
+    for epoch in range(epochs):
+        offset = 0
+        while offset < len(data):
+            stop = plan_token_batch(order(epoch), offset, lengths, budget)
+            steps.append(order(epoch)[offset:stop].tolist())
+            offset, budget = stop, next(nxt)
+    return steps
+
+
+def sgd_reference(data: Sequences, steps: list[list[int]]) -> TokenNet:
+    """Plain SGD (lr 0.1) on each global batch's mean loss per token."""
+    net = TokenNet()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    for ids in steps:
+        optimizer.zero_grad()
+        batch = pad([data[i] for i in ids])
+        batch.pop("sample_id")
+        net(**batch)["loss"].backward()  # one forward over the whole global batch: the mean over all its tokens
+        optimizer.step()
+    return net
+
+
+class Observed(TrainerCallback):
+    def __init__(self, trainer):
+        self.trainer, self.budgets, self.records = trainer, [], []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        run = self.trainer.batchpilot
+        self.records.append(run.last_step)
+        self.budgets.append(run.batch_size)
+
+
+@pytest.mark.parametrize("accumulation,max_tokens", [(1, None), (2, 9)])
+def test_token_budgets_cover_exactly_and_equal_sgd_on_each_global_batch(tmp_path, accumulation, max_tokens):
+    data, net = Sequences(), TokenNet()
+    controller = SizeList(BUDGETS)
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=controller, model=net, train_dataset=data, data_collator=pad,
+        batch_size=20, batch_unit="tokens", lengths="lengths", max_micro_batch_tokens=max_tokens,
+        args=quiet_args(tmp_path, gradient_accumulation_steps=accumulation, num_train_epochs=2, logging_steps=1,
+                        remove_unused_columns=False, **exact_sgd()),
+    )
+    spy = Observed(trainer)
+    trainer.add_callback(spy)
+    trainer.train()
+    steps = expected_steps(data, BUDGETS, 20, 2)
+    run = trainer.batchpilot
+    assert [sorted(r.indices.tolist()) for r in spy.records] == [sorted(s) for s in steps]
+    lengths = np.asarray(data.lengths)
+    assert [r.global_tokens for r in spy.records] == [int(lengths[s].sum()) for s in steps]
+    assert all(r.global_tokens <= b or r.global_size == 1 for r, b in zip(spy.records, [20] + BUDGETS * 9))
+    assert run.samples_seen == 2 * N and run.epoch == 2 and run.tokens_seen == 2 * int(lengths.sum())
+    if max_tokens is not None:  # passes of at most 9 tokens (a longer sample alone)
+        assert max(t for t in net.tokens if t > 0) <= max(9, int(lengths.max()))
+        assert len(net.seen) > accumulation * len(steps)
+    reference = sgd_reference(data, steps)
+    for a, b in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["tokens"] for h in logs] == [r.global_tokens for r in spy.records]
+    assert logs[-1]["tokens_seen"] == run.tokens_seen and logs[-1]["samples_seen"] == 2 * N
+
+
+def test_the_controller_lr_coupling_and_schedule_count_tokens(tmp_path):
+    data = Sequences()
+    seen = []
+
+    class Budget:
+        def decide(self, obs):
+            seen.append((obs.batch_size, obs.samples_seen, obs.num_samples))
+            return 40
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=Budget(), model=TokenNet(), train_dataset=data, data_collator=pad, batch_size=20,
+        batch_unit="tokens", lengths=data.lengths, lr_rule="linear",
+        args=quiet_args(tmp_path, num_train_epochs=1, logging_steps=1, remove_unused_columns=False,
+                        learning_rate=0.1, lr_scheduler_type="linear", warmup_steps=0, optim="sgd"),
+    )
+    spy = Observed(trainer)
+    trainer.add_callback(spy)
+    trainer.train()
+    total = int(np.sum(data.lengths))
+    tokens = [r.global_tokens for r in spy.records]
+    assert seen[0] == (20, tokens[0], total) and seen[1] == (40, tokens[0] + tokens[1], total)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    done = 0
+    for log, t in zip(logs, tokens):  # linear decay over the epoch's tokens; LR x (tokens in force / 20)
+        assert log["learning_rate"] == pytest.approx(0.1 * (total - done) / total, rel=1e-9)
+        done += t
+    assert logs[1]["lr_factor"] == pytest.approx(tokens[1] / 20, rel=1e-12)
+
+
+def test_a_transformers_causal_lm_gets_the_mean_loss_per_token_of_each_global_batch(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def model():
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=8, n_layer=1, n_head=2,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                          bos_token_id=0, eos_token_id=0)).double()
+
+    data = Sequences(24, seed=3)
+    loss_tokens = [n - 1 for n in data.lengths]  # the causal LM shifts labels: a sequence of n has n - 1
+
+    def collate(samples):
+        batch = pad(samples)
+        batch.pop("sample_id", None)
+        batch["attention_mask"] = (batch["labels"] != -100).long()
+        batch["labels"] = torch.where(batch["attention_mask"] == 1, batch["input_ids"], -100)
+        return batch
+
+    lm = model()
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=SizeList([25, 40, 14]), model=lm, train_dataset=data, data_collator=collate,
+        batch_size=30, batch_unit="tokens", lengths=loss_tokens,
+        args=quiet_args(tmp_path, gradient_accumulation_steps=2, num_train_epochs=1, **exact_sgd()),
+    )
+    spy = Observed(trainer)
+    trainer.add_callback(spy)
+    trainer.train()
+    reference = model()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for record in spy.records:
+        optimizer.zero_grad()
+        reference(**collate([data[i] for i in record.indices.tolist()]))["loss"].backward()
+        optimizer.step()
+    assert sum(r.global_size for r in spy.records) == len(data)
+    assert any(r.global_size > 2 for r in spy.records)  # micro-batches of unequal tokens were weighted
+    # transformers computes the causal-LM loss in float32 (ForCausalLMLoss upcasts the logits to float), hence 1e-7.
+    for a, b in zip(lm.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_resume_in_tokens_is_bitwise(tmp_path):
+    def trainer(out, **overrides):
+        return AdaptiveBatchSizeTrainer(
+            batch_size_scheduler=SizeList(BUDGETS), model=TokenNet(), train_dataset=Sequences(),
+            data_collator=pad, batch_size=20, batch_unit="tokens", lengths="lengths",
+            args=quiet_args(out, num_train_epochs=2, remove_unused_columns=False, **exact_sgd(), **overrides))
+
+    full = trainer(tmp_path / "full")
+    full.train()
+    first = trainer(tmp_path / "part", save_strategy="steps", save_steps=7, max_steps=7)
+    first.train()
+    rest = trainer(tmp_path / "part")
+    rest.train(resume_from_checkpoint=str(tmp_path / "part" / "checkpoint-7"))
+    assert rest.batchpilot.tokens_seen == full.batchpilot.tokens_seen
+    assert rest.batchpilot.samples_seen == full.batchpilot.samples_seen == 2 * N
+    for a, b in zip(full.model.parameters(), rest.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_token_settings_are_checked_with_their_fix(tmp_path):
+    data = Sequences()
+
+    def build(**kwargs):
+        return AdaptiveBatchSizeTrainer(model=TokenNet(), train_dataset=data, data_collator=pad,
+                                        args=quiet_args(tmp_path, remove_unused_columns=False), **kwargs)
+
+    with pytest.raises(ValueError, match="needs the first step's token budget: batch_size="):
+        build(batch_unit="tokens", lengths="lengths")
+    with pytest.raises(ValueError, match="needs lengths="):
+        build(batch_unit="tokens", batch_size=64)
+    with pytest.raises(ValueError, match="batch_unit='samples'"):
+        build(lengths="lengths")
+    with pytest.raises(ValueError, match="cannot count tokens"):
+        build(batch_size_scheduler=Auto(), batch_unit="tokens", lengths="lengths", batch_size=64)
+    with pytest.raises(ValueError, match="batch_unit='bytes'"):
+        build(batch_unit="bytes")
+    with pytest.raises(ValueError, match="lengths has 3 entries but the dataset has 40"):
+        build(batch_unit="tokens", lengths=[1, 2, 3], batch_size=64).train()
