@@ -115,6 +115,8 @@ def test_the_noise_scale_from_uneven_shares_equals_the_estimate_by_hand(tmp_path
     assert [sum(map(len, m)) for m in micro] == [s["size"] for s in steps]
     shares = [(len(m[0]) + len(m[1]), len(m[2]) + len(m[3])) for m in micro]
     assert all(a <= b for a, b in shares) and any(a < b for a, b in shares)  # rank 1's share is the larger
+    # Goodput's step-time model reads rank 0's share of each batch (its micro-batch times are the ones fitted).
+    assert all(seen["dist/lead_share"] == 0.4 for seen in ranks[0]["stats"])
     reference = Recorder()
     check_noise_by_hand(micro, ranks[0]["stats"], reference, recorder_loss(reference, PointSet(64)), 64)
 

@@ -111,6 +111,8 @@ def test_the_noise_scale_from_uneven_shares_equals_the_estimate_by_hand(tmp_path
     micro = [a["micro"] + b["micro"] for a, b in zip(ranks[0]["steps"], ranks[1]["steps"])]
     shares = [(len(m[0]) + len(m[1]), len(m[2]) + len(m[3])) for m in micro]
     assert all(a <= b for a, b in shares) and any(a < b for a, b in shares)  # rank 1's share is the larger
+    # Goodput's step-time model reads rank 0's share of each batch (its micro-batch times are the ones fitted).
+    assert all(seen["dist/lead_share"] == 0.4 for seen in ranks[0]["stats"])
     net = make_net()
     x, y, _ = make_data(NOISE_SAMPLES).tensors
     check_noise_by_hand(micro, ranks[0]["stats"], net,

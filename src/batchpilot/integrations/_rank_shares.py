@@ -12,17 +12,27 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..controllers.goodput import LEAD_SHARE_KEY
 from ..data.loader import AdaptiveDataLoader
 from ..data.shares import RankWeights, check_rank_weights
 from ..engine.rank_balance import RankBalancer
 from ..measure import MicroTimer
 
-__all__ = ["RankShares"]
+__all__ = ["RankShares", "with_lead_share"]
 
 logger = logging.getLogger("batchpilot")
+
+
+def with_lead_share(stats: dict[str, Any] | None, weights: Sequence[float] | None,
+                    world_size: int) -> dict[str, Any] | None:
+    """``stats`` with rank 0's share of the global batch (``dist/lead_share``) when ``weights`` make the shares
+    uneven: ``Goodput``'s step-time model is fitted to rank 0's micro-batch times (as ``Pilot`` reports it)."""
+    if weights is None or len(weights) != world_size or world_size < 2:
+        return stats
+    return {**(stats or {}), LEAD_SHARE_KEY: float(weights[0]) / math.fsum(weights)}
 
 
 class RankShares:

@@ -16,6 +16,7 @@ from ...controllers.boundary import needs_gradient_stats
 from ...data.micro_batch import MicroBatch
 from ...engine.driver import SizeDriver
 from .._auto import auto_controller
+from .._rank_shares import with_lead_share
 from .._step_stats import StepStats, check_measurable
 from .auto import resolve_auto, start_probes
 from .checkpoint import StepStart
@@ -310,6 +311,7 @@ class AdaptiveBatchSize(Callback):
         self.driver.end_step(micro.global_size, step_loss)
         self._inflight = 0
         stats = None if self.stats is None else self.stats.end_step(self.driver.step, step_loss)
+        stats = with_lead_share(stats, self._loader.loader.sampler.rank_weights, trainer.world_size)
         # The step is counted: a checkpoint from here on is at a step boundary, with the position past it; also
         # one that ModelCheckpoint(save_on_exception=True) saves when the controller below fails.
         self._step_start.end()
