@@ -322,3 +322,26 @@ def test_two_gloo_ranks_agree_on_the_context_and_rank_0_decides(tmp_path):
     assert r0["seen"] == r1["seen"] and len(r0["seen"]) == len(expected)  # the context is the global batch's
     assert r1["calls"] == 0
     assert r0["weights"] == r1["weights"]
+
+
+def test_with_token_budgets_the_window_is_the_samples_of_the_next_budget():
+    lengths = np.random.default_rng(1).integers(1, 9, N)
+    ds, model = problem()
+    scores = difficulty_scores()
+    difficulty = DataScore(scores, key="difficulty")
+    seen = []
+    pilot = batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), ds, batch_size=40,
+                             batch_unit="tokens", lengths=lengths.tolist(),
+                             controller=ContextSchedule(lambda s, b, d: seen.append(d) or b, difficulty,
+                                                        key="difficulty"))
+    difficulty.attach(pilot)
+    steps = []
+    for x, y in pilot.batches(max_steps=6):
+        if pilot.micro_batch.micro_index == 0:
+            steps.append(pilot.micro_batch.epoch * N + pilot.micro_batch.offset)
+        pilot.backward(torch.nn.functional.cross_entropy(model(x), y))
+    order = pilot.loader.sampler.order(0)
+    starts = steps[1:] + [None]
+    for d, start, stop in zip(seen, steps[1:], starts[1:]):  # the context of step k+1 is step k+1's samples
+        if stop is not None:
+            assert d == pytest.approx(float(np.mean(scores[order[start:stop]])))

@@ -88,8 +88,9 @@ class _NextBatch:
 
     def indices(self) -> np.ndarray:
         """Dataset indices of the samples the next step trains: the next ``window`` samples (default: the global
-        batch size in force) of the epoch order from the data position. With ``drop_last``, a tail of the epoch
-        smaller than the size in force is skipped, as the sampler will drop it.
+        batch size in force; with ``batch_unit="tokens"``, the samples the token budget in force takes) of the epoch
+        order from the data position. With ``drop_last``, a tail of the epoch smaller than the size in force is
+        skipped, as the sampler will drop it.
 
         Raises:
             RuntimeError: nothing was attached.
@@ -102,8 +103,13 @@ class _NextBatch:
         if len(self.values) != sampler.num_samples:
             raise ValueError(f"{type(self).__name__}(key={self.key!r}) has {len(self.values)} values, but the training "
                              f"data has {sampler.num_samples} samples; pass one value per sample, in dataset order.")
-        if sampler.drop_last and offset > 0 and sampler.num_samples - offset < batch_size:
+        plan = sampler.token_plan  # batch_unit="tokens": the size in force is a token budget
+        left = sampler.num_samples - offset if plan is None else plan.left(sampler.order(epoch), epoch, offset)
+        if sampler.drop_last and offset > 0 and left < batch_size:
             epoch, offset = epoch + 1, 0
+        if plan is not None and self.window is None:  # the samples of the next budget (the epoch's rest at most)
+            order = sampler.order(epoch)
+            return np.array(order[offset:offset + plan.take(order, epoch, offset, batch_size)])
         return next_samples(sampler, epoch, offset, self.window or batch_size)
 
 
