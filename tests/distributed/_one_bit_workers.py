@@ -36,6 +36,22 @@ def fixed_gradients(step: int, rank: int) -> list[torch.Tensor]:
     return out
 
 
+def load_elsewhere(rank: int, world_size: int, init_file: str, saved: dict, out_file: str) -> None:
+    """Load a state saved under another world size into a OneBitState of this group, then take one compressed
+    step; save the loaded state and the step's result."""
+    init(rank, world_size, init_file)
+    model = Params()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    state = OneBitState(warmup_steps=0)
+    state.register(ddp)
+    state.load_state_dict(saved)
+    loaded = state.state_dict()
+    ddp(fixed_gradients(0, rank)).backward()
+    torch.save({"loaded": loaded, "grads": [p.grad for p in model.ps], "step": state.step},
+               out_file.format(rank=rank))
+    leave()
+
+
 def init(rank: int, world_size: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
 
@@ -134,6 +150,10 @@ def pilot_scenarios(rank: int, world_size: int, init_file: str, out_dir: str) ->
     # Convergence.
     out["plain"] = pilot_run(None, steps=60)
     out["1bit"] = pilot_run("1bit", steps=60)
+    # A plain DDP hook (torch's fp16 compression): no state of its own, bypassed on measured steps.
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    out["fp16_hook"] = pilot_run(fp16_compress_hook, steps=4, noise_every=2)
     # Gradient accumulation (no_sync on all micro-batches but the last): one hook step per optimizer step.
     out["accumulated"] = pilot_run("1bit", steps=5, max_micro_batch_size=8)
     # fp16 loss scaling: when the GradScaler's scale changes, the error buffers (scaled residuals) follow it.

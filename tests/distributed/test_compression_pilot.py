@@ -59,6 +59,13 @@ def test_one_bit_training_converges(runs):
 
 
 @pytest.mark.distributed
+def test_a_plain_hook_trains(runs):
+    plain = runs[0]["fp16_hook"]
+    assert plain["compressed_steps"] is None and len(plain["losses"]) == 4  # no state: no checkpoint part
+    assert all(torch.isfinite(t).all() for t in plain["weights"])
+
+
+@pytest.mark.distributed
 def test_warm_up_counts_optimizer_steps_under_accumulation(runs):
     assert runs[0]["accumulated"]["hook_step"] == 5  # 2 micro-batches per rank and step, one synced backward
 

@@ -171,6 +171,34 @@ def test_reshard_keeps_the_residual_of_the_average():
     assert torch.equal(same[0]["a"], worker_rows[1, :13]) and torch.equal(same[1]["b"], server_rows[1, 8:16])
 
 
+@pytest.mark.distributed
+def test_a_state_from_2_ranks_loads_on_1(tmp_path):
+    """The state_dict of a 2-rank run, loaded by a 1-rank group: the rank's worker error is the re-sharded one,
+    its server error zero, and it then compresses on its own."""
+    numels = [math.prod(s) for s in w.SHAPES]
+    chunks = [math.ceil(m / 16) * 8 for m in numels]
+    g = torch.Generator().manual_seed(5)
+    server = torch.randn(2, sum(chunks), generator=g)
+    at = 0
+    for m, c in zip(numels, chunks):  # padding holds no server error
+        for r in range(2):
+            server[r, at + max(min(m - r * c, c), 0):at + c] = 0.0
+        at += c
+    saved = {"version": 1, "step": 7, "warmup_steps": 0, "wire_bytes": 1.0, "full_bytes": 2.0, "compressed_steps": 7,
+             "world_size": 2, "names": [f"ps.{i}" for i in range(len(numels))], "numels": numels,
+             "worker_error": torch.randn(2, sum(numels), generator=g), "server_error": server}
+    out = str(tmp_path / "one{rank}.pt")
+    mp.spawn(w.load_elsewhere, args=(1, str(tmp_path / "init"), saved, out), nprocs=1, join=True)
+    got = torch.load(out.format(rank=0))
+    expected, none = resharded(saved, 1, 0)
+    assert none is None
+    loaded = got["loaded"]
+    assert loaded["world_size"] == 1 and loaded["step"] == 7
+    assert torch.equal(loaded["server_error"][0], torch.zeros(sum(math.ceil(m / 8) * 8 for m in numels)))
+    assert torch.equal(loaded["worker_error"][0], torch.cat([expected[f"ps.{i}"] for i in range(len(numels))]))
+    assert got["step"] == 8 and all(torch.isfinite(t).all() for t in got["grads"])
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="warmup_steps"):
         OneBitState(warmup_steps=-1)

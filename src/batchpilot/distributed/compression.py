@@ -101,7 +101,7 @@ def _encode(matrix: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def _decode(messages: torch.Tensor, layout: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
     """Messages ``[rows, T/8 + 4k]`` to values ``± scale`` ``[rows, T]`` and the scales ``[rows, k]``."""
     split = layout.width // 8
-    scales = messages[:, split:].contiguous().view(torch.float32)
+    scales = messages[:, split:].clone(memory_format=torch.contiguous_format).view(torch.float32)  # 4-byte aligned
     spread = layout.scale_columns(scales)
     return torch.where(unpack_signs(messages[:, :split]), spread, -spread), scales
 
@@ -207,25 +207,29 @@ class OneBitState:
         received = torch.empty_like(sent)
         row_bytes = sent.shape[1]
         self.wire_bytes += 2 * (world - 1) * row_bytes  # all-to-all, then all-gather, of one row each
-        fut = dist.all_to_all_single(received, sent, group=self.process_group, async_op=True).get_future()
+        # Every collective is issued from the thread that runs the hooks, in bucket order, so the ranks issue
+        # them in the same order (gloo matches collectives by issue order; one launched from a future's callback
+        # could overtake the next bucket's). The all-to-all is waited for here, the all-gather overlaps the rest
+        # of the backward pass.
+        dist.all_to_all_single(received, sent, group=self.process_group)
+        # Server: average chunk `rank` over the ranks, add e_s, compress again.
+        values, _ = _decode(received, layout)
+        real = layout.real[rank]
+        mean = torch.where(real, values.sum(dim=0) / world, 0.0)
+        errors = [self._server.get(k) for k in layout.keys]
+        if any(e is not None for e in errors):
+            mean = mean + torch.cat([torch.zeros(c, device=device) if e is None else e
+                                     for e, c in zip(errors, layout.chunks)])
+        y = mean.unsqueeze(0)
+        server_scales = _chunk_scales(y, layout, layout.counts[rank:rank + 1])
+        own = _encode(y, server_scales).reshape(-1)
+        spread_s = layout.scale_columns(server_scales)
+        server_error = torch.where(real, y - torch.where(y >= 0, spread_s, -spread_s), 0.0).reshape(-1)
+        gathered = torch.empty(world, own.numel(), dtype=torch.uint8, device=device)
+        fut = _all_gather(gathered, own, self.process_group).get_future()
 
-        def server_and_back(done: torch.futures.Future[Any]) -> torch.Tensor:
+        def decode(done: torch.futures.Future[Any]) -> torch.Tensor:
             done.wait()
-            # Server: average chunk `rank` over the ranks, add e_s, compress again.
-            values, _ = _decode(received, layout)
-            real = layout.real[rank]
-            mean = torch.where(real, values.sum(dim=0) / world, 0.0)
-            errors = [self._server.get(k) for k in layout.keys]
-            if any(e is not None for e in errors):
-                mean = mean + torch.cat([torch.zeros(c, device=device) if e is None else e
-                                         for e, c in zip(errors, layout.chunks)])
-            y = mean.unsqueeze(0)
-            server_scales = _chunk_scales(y, layout, layout.counts[rank:rank + 1])
-            own = _encode(y, server_scales).reshape(-1)
-            spread_s = layout.scale_columns(server_scales)
-            server_error = torch.where(real, y - torch.where(y >= 0, spread_s, -spread_s), 0.0).reshape(-1)
-            gathered = torch.empty(world, own.numel(), dtype=torch.uint8, device=device)
-            _all_gather(gathered, own, self.process_group)
             averaged, all_scales = _decode(gathered, layout)
             # A non-finite gradient anywhere (identical on every rank) leaves the error buffers as they were:
             # the step is skipped (skip_nonfinite, or a GradScaler's overflow), so must its residuals be.
@@ -242,7 +246,7 @@ class OneBitState:
                 self._server[id(p)] = torch.where(ok, new_s, 0.0 if old_s is None else old_s)
             return torch.cat(out).to(buffer.dtype)
 
-        return fut.then(server_and_back)
+        return fut.then(decode)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -329,16 +333,17 @@ def resharded(state: dict[str, Any], world_size: int, rank: int
     return worker, (server if same else None)
 
 
-def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group: Any) -> None:
-    """All-gather ``tensor`` into the rows of ``output`` (``all_gather_single`` since torch 2.13)."""
+def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group: Any) -> Any:
+    """Start an all-gather of ``tensor`` into the rows of ``output`` (``all_gather_single`` since torch 2.13);
+    return its work handle."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output.reshape(-1), tensor, group=group)
+    return gather(output.reshape(-1), tensor, group=group, async_op=True)
 
 
 def _gather_rows(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     """Every rank's ``tensor`` (same size everywhere) as the rows of one CPU tensor."""
     rows = torch.empty(dist.get_world_size(group), tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-    _all_gather(rows, tensor.contiguous(), group)
+    _all_gather(rows, tensor.contiguous(), group).wait()
     return rows.cpu()
 
 
