@@ -29,6 +29,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -44,12 +45,13 @@ METHODS = ("allreduce", "fp16", "powersgd:1", "powersgd:2", "powersgd:4", "1bit"
 BANDWIDTHS = (1e6, 3e6, 1e7, 3e7, 1e8, 3e8, 1e9, 1e10)
 
 
-def _hook_state(method: str, link_delay: float, every: int, min_dwell: int):
+def _hook_state(method: str, link_delay: float, every: int, min_dwell: int, warmup: int):
     from batchpilot.distributed.adaptive_compression import AdaptiveCompression
 
     if method == "auto":
-        return AdaptiveCompression(every=every, min_dwell=min_dwell, link_delay=link_delay)
-    return AdaptiveCompression(levels=["none" if method == "allreduce" else method], link_delay=link_delay)
+        return AdaptiveCompression(every=every, min_dwell=min_dwell, link_delay=link_delay, warmup_steps=warmup)
+    return AdaptiveCompression(levels=["none" if method == "allreduce" else method], link_delay=link_delay,
+                               warmup_steps=warmup)
 
 
 def _accuracy(model: torch.nn.Module, test_set, limit: int = 4000) -> float:
@@ -69,7 +71,7 @@ def _worker(rank: int, world: int, init_file: str, out_file: str, cfg: dict) -> 
     w = get_workload(cfg["workload"])
     train_set, test_set = w.build_data(w.data_seed)
     ddp = torch.nn.parallel.DistributedDataParallel(w.build_model(cfg["seed"]))
-    state = _hook_state(cfg["method"], cfg["link_delay"], cfg["every"], cfg["min_dwell"])
+    state = _hook_state(cfg["method"], cfg["link_delay"], cfg["every"], cfg["min_dwell"], cfg["warmup"])
     state.register(ddp)
     batch = cfg["batch"]
     lr = w.base_lr * (batch / w.base_batch_size if w.lr_rule == "linear" else math.sqrt(batch / w.base_batch_size))
@@ -106,12 +108,12 @@ def _worker(rank: int, world: int, init_file: str, out_file: str, cfg: dict) -> 
 
 
 def run(workload: str, method: str, world: int, *, steps: int, batch: int, link_delay: float = 0.0,
-        eval_every: int = 50, seed: int = 0, every: int = 10, min_dwell: int = 20) -> dict:
+        eval_every: int = 50, seed: int = 0, every: int = 10, min_dwell: int = 20, warmup: int = 0) -> dict:
     """One training run on ``world`` gloo processes; rank 0's measurements."""
     with tempfile.TemporaryDirectory() as tmp:
         init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out.json")
         cfg = {"workload": workload, "method": method, "steps": steps, "batch": batch, "link_delay": link_delay,
-               "eval_every": eval_every, "seed": seed, "every": every, "min_dwell": min_dwell}
+               "eval_every": eval_every, "seed": seed, "every": every, "min_dwell": min_dwell, "warmup": warmup}
         mp.start_processes(_worker, args=(world, init, out, cfg), nprocs=world, start_method="spawn")
         return json.loads(Path(out).read_text())
 
@@ -150,7 +152,7 @@ def _sweep(args: argparse.Namespace, regime: str, link_delay: float) -> list[dic
             for method in args.methods:
                 started = time.perf_counter()
                 r = run(workload, method, world, steps=args.steps[workload], batch=args.batch[workload],
-                        link_delay=link_delay, eval_every=args.eval_every[workload], every=args.every, min_dwell=args.min_dwell)
+                        link_delay=link_delay, eval_every=args.eval_every[workload], every=args.every, min_dwell=args.min_dwell, warmup=args.warmup)
                 r.update(workload=workload, world=world, method=method, regime=regime, wall_s=time.perf_counter() - started)
                 rows.append(r)
                 print(f"  {regime:14s} {workload:8s} N={world} {method:11s} {r['median_step_s'] * 1e3:8.1f} ms/step "
@@ -164,7 +166,7 @@ def _tc_rows(args: argparse.Namespace, rate: str) -> list[dict]:
         inner = [sys.executable, os.path.abspath(__file__), "--inner-json", os.path.join(tmp, "rows.json"),
                  "--regime", f"tc:{rate}", *sys.argv[1:]]
         script = (f"ip link set lo mtu 1500 && ip link set lo up && tc qdisc add dev lo root tbf rate {rate} "
-                  f"burst 32kb limit 4mb && exec {' '.join(inner)}")
+                  f"burst 32kb limit 4mb && GLOO_SOCKET_IFNAME=lo exec {shlex.join(inner)}")
         proc = subprocess.run(["unshare", "-n", "sh", "-c", script], check=False)
         path = Path(tmp) / "rows.json"
         if proc.returncode != 0 or not path.exists():
@@ -232,6 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--target", type=float, default=None, help="test accuracy (default: allreduce's final - 1 point)")
     p.add_argument("--delay-bandwidths", default="3e6", help="emulated link bandwidths (bytes/s) to run; '' for none")
     p.add_argument("--tc", default="", help="tbf rates for real shaping in a private netns, e.g. 100mbit (root)")
+    p.add_argument("--skip-loopback", action="store_true", help="only the delay and tc regimes")
+    p.add_argument("--warmup", type=int, default=0, help="full-precision steps first (1-bit Adam's warm-up)")
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--min-dwell", type=int, default=20)
     p.add_argument("--inner-json", default=None, help=argparse.SUPPRESS)
@@ -249,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.inner_json:  # inside the shaped namespace
         Path(args.inner_json).write_text(json.dumps(_sweep(args, args.regime, 0.0)))
         return
-    rows = _sweep(args, "loopback", 0.0)
+    rows = [] if args.skip_loopback else _sweep(args, "loopback", 0.0)
     for bw in [float(b) for b in args.delay_bandwidths.split(",") if b]:
         rows += _sweep(args, f"delay:{bw:g}", 1.0 / bw)
     for rate in [r for r in args.tc.split(",") if r]:

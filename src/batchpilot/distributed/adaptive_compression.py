@@ -53,7 +53,8 @@ class AdaptiveCompression:
         hysteresis: A more lossy target is taken only when the current level is predicted slower than
             ``1 + tolerance + hysteresis`` times the fastest (0.05).
         memory: Steps a level's measured collective time stands for it; an older level is predicted by the model
-            again (so a level tried on a slow network is tried again when the network may have changed).
+            again, so a level tried on a slow network is tried again when the network may have changed (1000: trying
+            the levels again costs a few decisions, about 4% of the steps at worst).
         warmup_steps: Steps sent in full precision (fp32 all-reduce) before any level runs, as 1-bit Adam's warm-up
             (Tang et al. 2021) and PowerSGD's ``start_powerSGD_iter``; no decision is taken during them.
         link_delay: Seconds to wait per byte sent, after each bucket's collectives (an emulated slow link for tests
@@ -71,7 +72,7 @@ class AdaptiveCompression:
 
     def __init__(self, process_group: Any = None, *, levels: Sequence[str] = DEFAULT_LEVELS, initial: str | None = None,
                  every: int = 10, min_dwell: int = 20, tolerance: float = 0.05, hysteresis: float = 0.05,
-                 memory: int = 200, warmup_steps: int = 0, link_delay: float = 0.0) -> None:
+                 memory: int = 1000, warmup_steps: int = 0, link_delay: float = 0.0) -> None:
         if isinstance(levels, str) or not isinstance(levels, Sequence) or not levels:
             raise ValueError(f"levels must be a non-empty list of level names, got {levels!r}; e.g. ['none', 'fp16', '1bit']")
         parsed = [rule.parse_level(name) for name in levels]
@@ -81,7 +82,7 @@ class AdaptiveCompression:
         rule.check_number("min_dwell", min_dwell, low=0, integer=True, example="min_dwell=20")
         rule.check_number("tolerance", tolerance, low=0, example="tolerance=0.05")
         rule.check_number("hysteresis", hysteresis, low=0, example="hysteresis=0.05")
-        rule.check_number("memory", memory, low=every, integer=True, example="memory=200")
+        rule.check_number("memory", memory, low=every, integer=True, example="memory=1000")
         rule.check_number("warmup_steps", warmup_steps, low=0, integer=True, example="warmup_steps=100")
         rule.check_number("link_delay", link_delay, low=0, example="link_delay=1e-8 (100 MB/s)")
         self.names = tuple(_name(*level) for level in parsed)
