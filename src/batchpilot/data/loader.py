@@ -263,7 +263,7 @@ class AdaptiveDataLoader:
         step, plan = self._next_step, sampler.token_plan
         shares = None if plan is None else plan.step(batch, sampler.world_size, sampler.rank_weights)
         parts = plan_step(batch, sampler, shares, self._accumulation_for(len(batch), step, shares), position, step,
-                          self.max_micro_batch_size)
+                          self.max_micro_batch_size, self.max_micro_batch_tokens)
         self._next_step += 1
         self._planned.extend(parts)
         self._share_first_unused()

@@ -162,14 +162,16 @@ def plan_micro_batches(global_batch: np.ndarray, share: np.ndarray, accumulation
 
 def plan_token_micro_batches(global_batch: np.ndarray, step_shares: TokenStep, rank: int, accumulation_steps: int,
                              position: SamplerPosition, step: int,
-                             max_micro_batch_size: int | None) -> list[PlannedMicroBatch]:
+                             max_micro_batch_size: int | None,
+                             max_micro_batch_tokens: int | None = None) -> list[PlannedMicroBatch]:
     """Split ``rank``'s share of a global batch counted in tokens into ``accumulation_steps`` contiguous
     micro-batches balanced in tokens (:func:`.tokens.split_tokens`); an empty one is a ghost (0 tokens)."""
     start, stop = step_shares.bounds[rank]
     share, cumulative = global_batch[start:stop], step_shares.share_cumulative(rank)
     local_tokens, global_tokens = int(cumulative[-1]), step_shares.tokens
     planned = []
-    for micro, (lo, hi) in enumerate(split_tokens(cumulative, accumulation_steps, max_micro_batch_size)):
+    for micro, (lo, hi) in enumerate(split_tokens(cumulative, accumulation_steps, max_micro_batch_size,
+                                                             max_micro_batch_tokens)):
         ghost = hi <= lo
         planned.append(PlannedMicroBatch(
             global_batch[:1] if ghost else share[lo:hi], micro, accumulation_steps, len(share), len(global_batch),
@@ -192,9 +194,9 @@ def accumulation_for(global_batch_size: int, shares: TokenStep | None, sampler: 
 
 def plan_step(global_batch: np.ndarray, sampler: AdaptiveBatchSampler, shares: TokenStep | None,
               accumulation_steps: int, position: SamplerPosition, step: int,
-              max_micro_batch_size: int | None) -> list[PlannedMicroBatch]:
+              max_micro_batch_size: int | None, max_micro_batch_tokens: int | None = None) -> list[PlannedMicroBatch]:
     """This rank's planned micro-batches of ``global_batch``: its share in samples, or in tokens (``shares``)."""
     if shares is None:
         return plan_micro_batches(global_batch, sampler.local_share(global_batch), accumulation_steps, position, step)
     return plan_token_micro_batches(global_batch, shares, sampler.rank, accumulation_steps, position, step,
-                                    max_micro_batch_size)
+                                    max_micro_batch_size, max_micro_batch_tokens)

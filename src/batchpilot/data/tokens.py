@@ -27,11 +27,13 @@ binary search over the greedy packing), so micro-batches are balanced in tokens 
 
 from __future__ import annotations
 
+import bisect
 import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -119,34 +121,38 @@ def token_share_bounds(cumulative: np.ndarray, world_size: int,
     """Every rank's ``(start, stop)`` in a global batch whose cumulative token counts are ``cumulative``
     (``[0, l_0, l_0 + l_1, ...]``): contiguous shares, each cut at the sample boundary nearest its quota (see the
     module docstring)."""
-    count, total = len(cumulative) - 1, int(cumulative[-1])
+    count = len(cumulative) - 1
     if count <= world_size:  # a sample per rank, the first ranks first (as in samples); the rest have none
         return [(min(r, count), min(r + 1, count)) for r in range(world_size)]
-    if weights is None:
-        fractions = [Fraction(r, world_size) for r in range(1, world_size)]
-    else:
-        exact = [Fraction(float(w)) for w in weights]
-        fractions = [sum(exact[:r], Fraction(0)) / sum(exact) for r in range(1, world_size)]
-    cuts, previous = [0], 0
-    for r, fraction in enumerate(fractions, start=1):
-        target = total * fraction
-        j = int(np.searchsorted(cumulative, float(target)))
-        candidates = [c for c in (j - 1, j, j + 1) if 0 <= c <= count]
-        cut = min(candidates, key=lambda c: (abs(int(cumulative[c]) - target), c))
-        cut = min(max(cut, previous + 1), count - (world_size - r))  # every rank keeps a sample
-        cuts.append(cut)
-        previous = cut
+    cum = cumulative.tolist()
+    total = cum[-1]
+    cuts = [0]
+    for r, (p, q) in enumerate(_quotas(world_size, None if weights is None else tuple(weights)), start=1):
+        # the boundary c nearest total * p / q: the smallest |q c - total p| (exact integers), ties to the lower one
+        j = bisect.bisect_left(cum, total * p // q)
+        cut = min((c for c in (j - 1, j, j + 1) if 0 <= c <= count), key=lambda c: (abs(q * cum[c] - total * p), c))
+        cuts.append(min(max(cut, cuts[-1] + 1), count - (world_size - r)))  # every rank keeps a sample
     cuts.append(count)
     return [(cuts[r], cuts[r + 1]) for r in range(world_size)]
 
 
-def _greedy_parts(cumulative: np.ndarray, capacity: int, max_samples: int | None) -> list[int]:
+@lru_cache(maxsize=64)
+def _quotas(world_size: int, weights: tuple[float, ...] | None) -> tuple[tuple[int, int], ...]:
+    """The cumulative quota before each rank ``1..world_size-1`` as a fraction ``(p, q)`` of the batch's tokens:
+    ``r / world_size``, or the weights' prefix sum over their sum (exact, from the float weights)."""
+    if weights is None:
+        return tuple((r, world_size) for r in range(1, world_size))
+    exact = [Fraction(w) for w in weights]
+    fractions = [sum(exact[:r], Fraction(0)) / sum(exact) for r in range(1, world_size)]
+    return tuple((f.numerator, f.denominator) for f in fractions)
+
+
+def _greedy_parts(cumulative: list[int], capacity: int, max_samples: int | None) -> list[int]:
     """Cut points of the greedy contiguous packing into parts of at most ``capacity`` tokens (a longer sample
-    alone) and ``max_samples`` samples."""
+    alone) and ``max_samples`` samples (``cumulative`` as a list: bisect beats numpy on a few dozen numbers)."""
     count, start, cuts = len(cumulative) - 1, 0, [0]
     while start < count:
-        stop = int(np.searchsorted(cumulative, cumulative[start] + capacity, side="right")) - 1
-        stop = max(stop, start + 1)
+        stop = max(bisect.bisect_right(cumulative, cumulative[start] + capacity) - 1, start + 1)
         if max_samples is not None:
             stop = min(stop, start + max_samples)
         cuts.append(min(stop, count))
@@ -160,32 +166,38 @@ def count_micro_batches(cumulative: np.ndarray, max_tokens: int | None, max_samp
     if len(cumulative) <= 1 or (max_tokens is None and max_samples is None):
         return 1
     capacity = int(cumulative[-1]) if max_tokens is None else max_tokens
-    return max(1, len(_greedy_parts(cumulative, capacity, max_samples)) - 1)
+    return max(1, len(_greedy_parts(cumulative.tolist(), capacity, max_samples)) - 1)
 
 
-def split_tokens(cumulative: np.ndarray, parts: int, max_samples: int | None = None) -> list[tuple[int, int]]:
+def split_tokens(cumulative: np.ndarray, parts: int, max_samples: int | None = None,
+                 max_tokens: int | None = None) -> list[tuple[int, int]]:
     """Cut a share (cumulative token counts ``cumulative``) into exactly ``parts`` contiguous pieces whose largest
     token count is the smallest possible (with at most ``max_samples`` samples each, where ``parts`` allows); with
-    fewer samples than parts, one sample per piece and empty pieces last."""
+    fewer samples than parts, one sample per piece and empty pieces last. ``max_tokens``: a bound that ``parts``
+    pieces are known to meet (it narrows the search)."""
     count = len(cumulative) - 1
     if count <= parts:
         return [(min(i, count), min(i + 1, count)) for i in range(parts)]
-    sizes = np.diff(cumulative)
-    low, high = max(int(sizes.max()), -(-int(cumulative[-1]) // parts)), int(cumulative[-1])
+    if parts == 1 and (max_samples is None or count <= max_samples):
+        return [(0, count)]
+    cum = cumulative.tolist()
+    longest = max(b - a for a, b in zip(cum, cum[1:]))
+    low, high = max(longest, -(-cum[-1] // parts)), cum[-1]
     if max_samples is not None and -(-count // max_samples) > parts:
         max_samples = None  # (cannot hold: the caller's parts came from another bound)
+    if max_tokens is not None and len(_greedy_parts(cum, max(max_tokens, low), max_samples)) - 1 <= parts:
+        high = max(max_tokens, low)
     while low < high:  # the smallest capacity whose greedy packing needs at most `parts` pieces
         mid = (low + high) // 2
-        if len(_greedy_parts(cumulative, mid, max_samples)) - 1 <= parts:
+        if len(_greedy_parts(cum, mid, max_samples)) - 1 <= parts:
             high = mid
         else:
             low = mid + 1
-    cuts = _greedy_parts(cumulative, low, max_samples)
+    cuts = _greedy_parts(cum, low, max_samples)
     while len(cuts) - 1 < parts:  # split the heaviest piece of several samples at its token midpoint
-        pieces = [(int(cumulative[b] - cumulative[a]), i) for i, (a, b) in enumerate(zip(cuts, cuts[1:])) if b - a > 1]
-        _, i = max(pieces)
+        _, i = max((cum[b] - cum[a], i) for i, (a, b) in enumerate(zip(cuts, cuts[1:])) if b - a > 1)
         a, b = cuts[i], cuts[i + 1]
-        middle = int(np.searchsorted(cumulative, (cumulative[a] + cumulative[b]) / 2))
+        middle = bisect.bisect_left(cum, (cum[a] + cum[b]) / 2)
         cuts.insert(i + 1, min(max(middle, a + 1), b - 1))
     return list(zip(cuts, cuts[1:]))
 

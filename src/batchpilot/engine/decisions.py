@@ -8,6 +8,7 @@ from typing import Any
 from ..controllers.boundary import validate_decision
 from ..data.loader import AdaptiveDataLoader
 from .driver import Decision, SizeDriver, decision_record
+from .tokens import micro_bound
 
 
 def observed_stats(record: Mapping[str, Any], *, world_size: int, max_micro_batch_size: int | None,
@@ -50,7 +51,7 @@ class Decisions:
         if override is None and not driver.due():
             return None  # nothing decides after this step: no observation to build (the common case's cost)
         stats = observed_stats(record, world_size=driver.world_size or 1,
-                               max_micro_batch_size=self.loader.max_micro_batch_size,
+                               max_micro_batch_size=micro_bound(self.loader),  # (in tokens: engine/tokens.py)
                                rank_weights=self.loader.sampler.rank_weights)
         decided = driver.next_size(global_batch_size, epoch=record["epoch"], coverage=record["coverage"], stats=stats,
                                    override=override, on_failure=self.on_failure)

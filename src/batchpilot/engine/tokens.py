@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..data.loader import MicroBatch
+from ..data.loader import AdaptiveDataLoader, MicroBatch
 
 
 def setup_tokens(pilot: Any) -> None:
@@ -31,6 +31,18 @@ def setup_tokens(pilot: Any) -> None:
     pilot.driver.num_samples = plan.total_tokens  # what Observation.num_samples holds: the dataset's tokens
     if pilot._noise is not None:
         pilot._noise.population = plan.total_tokens  # the finite-population correction, in tokens
+
+
+def micro_bound(loader: AdaptiveDataLoader) -> int | None:
+    """The micro-batch bound a controller observes (``perf/max_micro_batch_size``) in the batch's unit: samples, or
+    in tokens ``max_micro_batch_tokens`` (with a sample bound only, e.g. after running out of memory, that many
+    samples of the dataset's mean length)."""
+    plan = loader.sampler.token_plan
+    if plan is None or loader.max_micro_batch_tokens is not None:
+        return loader.max_micro_batch_size if plan is None else loader.max_micro_batch_tokens
+    if loader.max_micro_batch_size is None:
+        return None
+    return max(1, round(loader.max_micro_batch_size * plan.total_tokens / loader.sampler.num_samples))
 
 
 def token_record(record: dict[str, Any], micro: MicroBatch, tokens_seen: int, num_samples: int) -> None:

@@ -4,6 +4,10 @@ tokens, token-weighted mean losses, ``drop_last`` in tokens, and bad settings.""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import _tokens_workers as w
 import pytest
@@ -11,6 +15,8 @@ import torch
 
 import batchpilot
 from batchpilot.controllers import LinearIncrease
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run(steps: int, **settings) -> tuple[list[dict], list[torch.Tensor], batchpilot.Pilot]:
@@ -145,3 +151,13 @@ def test_a_checkpoint_counted_in_samples_does_not_load_into_a_run_in_tokens(tmp_
     tokens = w.make_pilot(w.make_model())
     with pytest.raises(Exception, match="batch_unit"):
         tokens.load_checkpoint(path)
+
+
+def test_the_token_planning_benchmark_runs_on_a_tiny_budget(tmp_path):
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "token_planning.py"), "--out", str(tmp_path),
+                    "--samples", "300", "--steps", "4", "--rounds", "1"], check=True, capture_output=True,
+                   env={**os.environ, "PYTHONPATH": str(REPO / "src")}, timeout=300)
+    result = json.loads((tmp_path / "token_planning.json").read_text())
+    micro = f"micro<={result['settings']['budget_tokens'] // 4} tokens"
+    assert set(result["planning"]) == {"world=1", f"world=1, {micro}", "world=4", f"world=4, {micro}"}
+    assert result["step_seconds"]["tokens"] > 0 and result["planning_overhead_fraction_of_step"]
