@@ -209,3 +209,51 @@ def test_token_settings_are_checked_with_their_fix(tmp_path):
         build(batch_unit="bytes")
     with pytest.raises(ValueError, match="lengths has 3 entries but the dataset has 40"):
         build(batch_unit="tokens", lengths=[1, 2, 3], batch_size=64).train()
+
+
+def test_the_noise_scale_counts_tokens_and_equals_the_two_batch_estimate_by_hand(tmp_path):
+    """Every step measured, 2 micro-batches: the small batches are the micro-batches (their tokens), the big one
+    the step (its tokens); McCandlish et al.'s estimate fed by hand in tokens equals what the controller saw."""
+    from _hf_common import StatsSpy
+
+    from batchpilot.stats import NoiseScaleEstimator
+
+    data, net = Sequences(), TokenNet()
+    spy = StatsSpy([40, 28, 60, 35])
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=spy, model=net, train_dataset=data, data_collator=pad, batch_size=40,
+        batch_unit="tokens", lengths="lengths", noise_every=1,
+        args=quiet_args(tmp_path, gradient_accumulation_steps=2, num_train_epochs=1, remove_unused_columns=False,
+                        **exact_sgd()))
+    trainer.train()
+    lengths = np.asarray(data.lengths)
+    forwards = iter(net.seen)
+    reference, estimator = TokenNet(), NoiseScaleEstimator(ema_decay=0.99 ** (1 / 4))
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+    def grad(ids):
+        reference.zero_grad()
+        batch = pad([data[i] for i in ids])
+        batch.pop("sample_id")
+        reference(**batch)["loss"].backward()  # the mean loss per token of those samples
+        return torch.cat([p.grad.flatten() for p in reference.parameters()]).clone()
+
+    total = int(lengths.sum())
+    assert len(spy.seen_stats) >= 10
+    for seen in spy.seen_stats:
+        parts = [next(forwards), next(forwards)]
+        parts = [ids for ids in parts if ids]
+        small = [grad(ids) for ids in parts]
+        big = grad([i for ids in parts for i in ids])
+        sizes = [int(lengths[ids].sum()) for ids in parts]  # tokens
+        b_small = len(sizes) / sum(1 / n for n in sizes)
+        if sum(sizes) > b_small:
+            estimator.update(b_small, sum(float(g @ g) for g in small) / len(sizes), sum(sizes), float(big @ big),
+                             population=total if sum(sizes) <= total else None)
+        want = estimator.metrics()
+        for key in ("stats/noise_scale", "stats/grad_sq_norm", "stats/trace_cov"):
+            assert (key in seen) == (key in want), key
+            if key in want:
+                assert seen[key] == pytest.approx(want[key], rel=1e-9), key
+        optimizer.step()
+    assert "stats/trace_cov" in spy.seen_stats[-1]
