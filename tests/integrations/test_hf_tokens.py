@@ -257,3 +257,37 @@ def test_the_noise_scale_counts_tokens_and_equals_the_two_batch_estimate_by_hand
                 assert seen[key] == pytest.approx(want[key], rel=1e-9), key
         optimizer.step()
     assert "stats/trace_cov" in spy.seen_stats[-1]
+
+
+class FitsTokens(TokenNet):
+    """A TokenNet that 'fits' ``limit`` labelled tokens per forward: more raise torch.OutOfMemoryError."""
+
+    def __init__(self, limit: int | None) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def forward(self, input_ids, labels=None, sample_id=None):
+        if self.training and self.limit is not None and int((labels != -100).sum()) > self.limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {int((labels != -100).sum())}.")
+        return super().forward(input_ids, labels, sample_id)
+
+
+def test_oom_recovery_in_tokens_runs_the_step_again_and_keeps_the_gradient_exact(tmp_path):
+    data = Sequences()
+
+    def run(limit, **kwargs):
+        net = FitsTokens(limit)
+        trainer = AdaptiveBatchSizeTrainer(
+            batch_size_scheduler=SizeList(BUDGETS), model=net, train_dataset=data, data_collator=pad, batch_size=20,
+            batch_unit="tokens", lengths="lengths", args=quiet_args(tmp_path, num_train_epochs=1,
+                                                                   remove_unused_columns=False, **exact_sgd()),
+            **kwargs)
+        trainer.train()
+        return net, trainer
+
+    net, trainer = run(25, oom_recovery=True)  # budgets of 30 to 80 tokens do not fit in one pass
+    assert trainer.batchpilot.oom_replays >= 1 and max(t for t in net.tokens) <= 25
+    steps = expected_steps(data, BUDGETS, 20, 1)
+    reference = sgd_reference(data, steps)
+    for a, b in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
