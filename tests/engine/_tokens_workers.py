@@ -53,10 +53,11 @@ class Budgets:
     """A controller that replays token budgets (rank 0 only ever calls it); records what it observed; resumable."""
 
     def __init__(self, budgets: list[int]) -> None:
-        self.budgets, self.i, self.seen = list(budgets), 0, []
+        self.budgets, self.i, self.seen, self.stats = list(budgets), 0, [], {}
 
     def decide(self, obs: batchpilot.Observation) -> int:
         self.seen.append((obs.batch_size, obs.samples_seen, obs.num_samples))
+        self.stats = dict(obs.stats)
         size = self.budgets[self.i % len(self.budgets)]
         self.i += 1
         return size

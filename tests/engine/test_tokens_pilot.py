@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import batchpilot
-from batchpilot.controllers import LinearIncrease
+from batchpilot.controllers import Goodput, LinearIncrease
+from batchpilot.engine.decisions import observed_stats
+from batchpilot.engine.tokens import micro_bound
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -102,6 +104,15 @@ def test_the_controller_and_the_noise_scale_see_tokens():
     split = [(s, t) for s, t in zip(seen_sizes, micro_tokens) if len(t) > 1]
     assert split and all(s == [x for x in t if x] for s, t in split)
     assert "stats/noise_scale" in pilot.last_record or "stats/trace_cov" in pilot.last_record
+
+
+def test_goodput_decides_token_budgets_from_a_model_in_tokens():
+    records, _, pilot = run(40, controller=Goodput(), max_micro_batch_tokens=24, min_batch_size=30,
+                            max_batch_size=400, noise_every=1)
+    micro = observed_stats(pilot.last_record, world_size=1, max_micro_batch_size=micro_bound(pilot.loader))
+    assert micro["perf/max_micro_batch_size"] == 24  # the bound Goodput plans micro-batches with is in tokens
+    assert all(r["tokens"] <= 400 or len(r["indices"]) == 1 for r in records)
+    assert 30 <= pilot.batch_size <= 400 and pilot.last_record["perf/micro_time_b_s"] > 0  # its time per token
 
 
 def test_drop_last_drops_a_tail_short_of_the_budget():
