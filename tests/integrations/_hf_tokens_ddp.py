@@ -1,9 +1,9 @@
 """AdaptiveBatchSizeTrainer(batch_unit="tokens") under torchrun (gloo on CPU): writes what each rank did.
 
-    torchrun --standalone --nproc-per-node 2 tests/integrations/_hf_tokens_ddp.py OUT_DIR
+    torchrun --standalone --nproc-per-node 2 tests/integrations/_hf_tokens_ddp.py OUT_DIR [W0,W1]
 
 OUT_DIR/rank<r>.json: per step the global size and tokens, this rank's sample ids and tokens, and the final
-weights. Budgets include 3 tokens (a step of one sample: rank 1 then runs ghost micro-batches). Used by
+weights. Budgets include 3 tokens (a step of one sample: rank 1 then runs ghost micro-batches); ``W0,W1`` passes ``rank_weights``. Used by
 tests/integrations/test_hf_tokens_distributed.py.
 """
 
@@ -26,7 +26,7 @@ from batchpilot.integrations.hf import AdaptiveBatchSizeTrainer  # noqa: E402
 BUDGETS = [30, 55, 3, 80, 12, 41]
 
 
-def main(out: Path) -> None:
+def main(out: Path, rank_weights: list[float] | None) -> None:
     args = TrainingArguments(output_dir=str(out / "run"), use_cpu=True, report_to=[], disable_tqdm=True,
                              save_strategy="no", seed=0, num_train_epochs=2, gradient_accumulation_steps=2,
                              learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
@@ -34,7 +34,7 @@ def main(out: Path) -> None:
     net = TokenNet()
     trainer = AdaptiveBatchSizeTrainer(batch_size_scheduler=SizeList(BUDGETS), model=net, train_dataset=Sequences(),
                                        data_collator=pad, batch_size=20, batch_unit="tokens", lengths="lengths",
-                                       max_micro_batch_tokens=12, args=args)
+                                       max_micro_batch_tokens=12, rank_weights=rank_weights, args=args)
     steps: list[dict] = []
 
     class Record(TrainerCallback):
@@ -53,4 +53,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), [float(w) for w in sys.argv[2].split(",")] if len(sys.argv) > 2 else None)
