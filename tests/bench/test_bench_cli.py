@@ -212,7 +212,7 @@ def test_bench_cli_synthetic_end_to_end(tmp_path, capsys):
 @pytest.mark.parametrize("argv, fragment", [
     (["bench", "--policies", "static:32,bogus"], "unknown policy kind 'bogus'"),
     (["bench", "--workload", "imagenet"],
-     "unknown workload 'imagenet'; choose one of: cifar10, cifar100, digits, markov, mnist1d, seqsum, synthetic, or all."),
+     "unknown workload 'imagenet'; choose one of: cifar10, cifar100, digits, gpt, markov, mnist1d, seqsum, synthetic, or all."),
     (["bench", "--workload", "synthetic", "--tune-factors", "1,x"], "--tune-factors '1,x' is not"),
     (["bench", "--workload", "synthetic", "--tune-factors", "0,1"], "must list positive numbers"),
     (["bench", "--workload", "synthetic", "--tune-factors", "1,0.5,1.0000001"], "lists 1 twice"),

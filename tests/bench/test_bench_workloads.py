@@ -13,7 +13,7 @@ from batchpilot.bench.workloads import WORKLOADS, mnist1d_cnn
 # -------------------------------------------------------------------------------------- workloads
 def test_get_workload_lists_the_names():
     assert get_workload("synthetic") is WORKLOADS["synthetic"]
-    with pytest.raises(ValueError, match="choose one of: cifar10, cifar100, digits, markov, mnist1d, seqsum, synthetic"):
+    with pytest.raises(ValueError, match="choose one of: cifar10, cifar100, digits, gpt, markov, mnist1d, seqsum, synthetic"):
         get_workload("mnist")
 
 def test_mnist1d_cnn_shapes_and_seeding():

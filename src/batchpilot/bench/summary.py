@@ -83,6 +83,8 @@ def _cell(rs: list[dict[str, Any]], floor: Mapping[int, float] | None = None) ->
         "cached_runs": sum(bool(r.get("cached")) for r in rs),
         "ratio_vs_best_static": None,
         "cost_ratio_vs_best_static": None,
+        # Token budgets (the gpt workload): tokens trained until the target.
+        **({"median_tokens_to_target": med("tokens_to_target")} if any("tokens_to_target" in r for r in rs) else {}),
     }
 
 
