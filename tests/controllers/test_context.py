@@ -345,3 +345,14 @@ def test_with_token_budgets_the_window_is_the_samples_of_the_next_budget():
     for d, start, stop in zip(seen, steps[1:], starts[1:]):  # the context of step k+1 is step k+1's samples
         if stop is not None:
             assert d == pytest.approx(float(np.mean(scores[order[start:stop]])))
+
+
+def test_required_stats_make_the_pilot_measure_what_the_schedule_reads():
+    for required in ((), ("stats/trace_cov",)):
+        seen: list = []
+        schedule = ContextSchedule(lambda s, b, ctx, seen=seen: seen.append(ctx.get("stats/trace_cov")) or b,
+                                   required_stats=required)
+        run_pilot(schedule, steps=20, max_micro_batch_size=3)  # no noise_every: measured only when asked for
+        assert any(v is not None for v in seen) == bool(required)
+    with pytest.raises(TypeError, match="required_stats must be a sequence"):
+        ContextSchedule(curriculum_scheduler, required_stats="stats/noise_scale")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import numbers
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ._adaptive import check_mapping
@@ -123,6 +123,8 @@ class ContextSchedule:
             only). Called once per decision. Its keys must not repeat the observation's.
         key: Pass ``fn`` only this entry of the context instead of the whole mapping.
         name: Name for logs and errors; default: ``fn``'s name.
+        required_stats: Statistics ``fn`` reads from the context (e.g. ``("stats/noise_scale",)``): the engine then
+            measures them (as for ``NoiseScale``), which it does not do for a schedule by default.
 
     Attributes:
         last_context: The context of the last decision (a read-only mapping), ``None`` before the first.
@@ -134,7 +136,7 @@ class ContextSchedule:
     """
 
     def __init__(self, fn: Callable[[int, int, Any], Any], provider: Callable[[], Mapping[str, Any]] | None = None,
-                 *, key: str | None = None, name: str | None = None) -> None:
+                 *, key: str | None = None, name: str | None = None, required_stats: Sequence[str] = ()) -> None:
         if not callable(fn):
             raise TypeError(f"ContextSchedule needs a callable (step, current_size, context) -> size, got {fn!r} of "
                             f"type {type(fn).__name__}; pass a function or a functools.partial of one.")
@@ -149,7 +151,11 @@ class ContextSchedule:
         for value, what in ((key, "key"), (name, "name")):
             if value is not None and not isinstance(value, str):
                 raise TypeError(f"{what} must be a str or None, got {value!r} of type {type(value).__name__}.")
+        if isinstance(required_stats, str) or not all(isinstance(k, str) for k in required_stats):
+            raise TypeError(f"required_stats must be a sequence of statistic names, e.g. ('stats/noise_scale',); got "
+                            f"{required_stats!r}.")
         self.fn, self.provider, self.key = fn, provider, key
+        self.required_stats = tuple(required_stats)
         self.name = name if name is not None else _callable_name(fn)
         self.last_context: Mapping[str, Any] | None = None
         self.reason = "no decision yet"
