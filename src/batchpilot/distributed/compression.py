@@ -64,6 +64,7 @@ class _Layout:
     width: int  # T = sum c_i
     counts: torch.Tensor  # [N, k] real (unpadded) values of parameter i in chunk r (at least 1: a divisor)
     real: torch.Tensor  # [N, T] bool: a real value, not padding
+    column_param: torch.Tensor  # [T] the parameter of each column
 
     @staticmethod
     def build(params: list[torch.Tensor], world_size: int, device: torch.device) -> "_Layout":
@@ -74,13 +75,14 @@ class _Layout:
                                for r in range(world_size)], dtype=torch.float32, device=device)
         real = torch.cat([torch.arange(c, device=device).unsqueeze(0) < counts[:, i:i + 1]
                           for i, c in enumerate(chunks)], dim=1)
-        return _Layout(tuple(id(p) for p in params), numels, chunks, columns, sum(chunks), counts.clamp(min=1), real)
+        column_param = torch.repeat_interleave(torch.arange(len(chunks), device=device),
+                                               torch.tensor(chunks, device=device))
+        return _Layout(tuple(id(p) for p in params), numels, chunks, columns, sum(chunks), counts.clamp(min=1), real,
+                       column_param)
 
     def scale_columns(self, scales: torch.Tensor) -> torch.Tensor:
         """``[..., k]`` per-parameter scales spread over their chunks' columns: ``[..., T]``."""
-        index = torch.repeat_interleave(torch.arange(len(self.chunks), device=scales.device),
-                                        torch.tensor(self.chunks, device=scales.device))
-        return scales.index_select(-1, index)
+        return scales.index_select(-1, self.column_param)
 
     def segments(self, matrix: torch.Tensor) -> list[torch.Tensor]:
         """Parameter ``i``'s columns of ``matrix`` (``[..., T]``), one tensor each."""
@@ -93,9 +95,15 @@ def _chunk_scales(matrix: torch.Tensor, layout: _Layout, counts: torch.Tensor) -
     return torch.sqrt(sums / counts)
 
 
-def _encode(matrix: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """One message per row: bit-packed signs, then the fp32 scales as bytes: uint8 ``[rows, T/8 + 4k]``."""
-    return torch.cat([pack_signs(matrix >= 0), scales.contiguous().view(torch.uint8)], dim=-1)
+def _encode(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """One message per row: the signs (``bits``: value >= 0) packed, then the fp32 scales as bytes: uint8
+    ``[rows, T/8 + 4k]``."""
+    return torch.cat([pack_signs(bits), scales.contiguous().view(torch.uint8)], dim=-1)
+
+
+def _signed(bits: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
+    """``scale * sign``: ``spread`` where ``bits``, ``-spread`` elsewhere."""
+    return torch.where(bits, spread, spread.neg())
 
 
 def _decode(messages: torch.Tensor, layout: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +111,7 @@ def _decode(messages: torch.Tensor, layout: _Layout) -> tuple[torch.Tensor, torc
     split = layout.width // 8
     scales = messages[:, split:].clone(memory_format=torch.contiguous_format).view(torch.float32)  # 4-byte aligned
     spread = layout.scale_columns(scales)
-    return torch.where(unpack_signs(messages[:, :split]), spread, -spread), scales
+    return _signed(unpack_signs(messages[:, :split]), spread), scales
 
 
 class OneBitState:
@@ -201,9 +209,9 @@ class OneBitState:
             xs.append(torch.nn.functional.pad(x, (0, world * c - m)).view(world, c))
         matrix = torch.cat(xs, dim=1)
         scales = _chunk_scales(matrix, layout, layout.counts)
-        sent = _encode(matrix, scales)
-        spread = layout.scale_columns(scales)
-        worker_error = matrix - torch.where(matrix >= 0, spread, -spread)  # padding dropped when stored
+        bits = matrix >= 0
+        sent = _encode(bits, scales)
+        worker_error = matrix - _signed(bits, layout.scale_columns(scales))  # padding dropped when stored
         received = torch.empty_like(sent)
         row_bytes = sent.shape[1]
         self.wire_bytes += 2 * (world - 1) * row_bytes  # all-to-all, then all-gather, of one row each
@@ -222,9 +230,9 @@ class OneBitState:
                                      for e, c in zip(errors, layout.chunks)])
         y = mean.unsqueeze(0)
         server_scales = _chunk_scales(y, layout, layout.counts[rank:rank + 1])
-        own = _encode(y, server_scales).reshape(-1)
-        spread_s = layout.scale_columns(server_scales)
-        server_error = torch.where(real, y - torch.where(y >= 0, spread_s, -spread_s), 0.0).reshape(-1)
+        bits_s = y >= 0
+        own = _encode(bits_s, server_scales).reshape(-1)
+        server_error = torch.where(real, y - _signed(bits_s, layout.scale_columns(server_scales)), 0.0).reshape(-1)
         gathered = torch.empty(world, own.numel(), dtype=torch.uint8, device=device)
         fut = _all_gather(gathered, own, self.process_group).get_future()
 
@@ -234,16 +242,16 @@ class OneBitState:
             # A non-finite gradient anywhere (identical on every rank) leaves the error buffers as they were:
             # the step is skipped (skip_nonfinite, or a GradScaler's overflow), so must its residuals be.
             ok = torch.isfinite(all_scales).all()
+            # On a GPU the choice stays on the device (no synchronisation); on the CPU a branch is cheaper.
+            keep = None if ok.device.type == "cpu" and bool(ok) else ok
             out = []
             for i, (p, m) in enumerate(zip(params, layout.numels)):
                 o, c = layout.columns[i], layout.chunks[i]
                 out.append(averaged[:, o:o + c].reshape(-1)[:m])
-                new_w = worker_error[:, o:o + c].reshape(-1)[:m]
-                old_w = self._worker.get(id(p))
-                self._worker[id(p)] = torch.where(ok, new_w, 0.0 if old_w is None else old_w)
-                new_s = server_error[o:o + c]
-                old_s = self._server.get(id(p))
-                self._server[id(p)] = torch.where(ok, new_s, 0.0 if old_s is None else old_s)
+                for errors, new in ((self._worker, worker_error[:, o:o + c].reshape(-1)[:m]),
+                                    (self._server, server_error[o:o + c])):
+                    old = errors.get(id(p))
+                    errors[id(p)] = new.clone() if keep is None else torch.where(keep, new, 0.0 if old is None else old)
             return torch.cat(out).to(buffer.dtype)
 
         return fut.then(decode)
