@@ -249,3 +249,16 @@ def test_the_loader_plans_token_micro_batches_and_rewinds_on_a_budget_change(num
             loader.set_batch_size(next(budgets))
     loader.close()
     assert sorted(seen) == list(range(50))
+
+
+def test_a_fixed_number_of_micro_batches_per_step_on_every_rank():
+    lengths = np.random.default_rng(7).integers(1, 16, size=41).tolist()
+    ds = TensorDataset(torch.arange(41))
+    loaders = [AdaptiveDataLoader(ds, 60, batch_unit="tokens", lengths=lengths, accumulation_steps=3, rank=r,
+                                  world_size=2, seed=1) for r in range(2)]
+    seen = []
+    for pair in zip(*loaders):
+        assert pair[0].accumulation_steps == pair[1].accumulation_steps == 3
+        assert pair[0].global_tokens == pair[1].global_tokens
+        seen.extend(i for m in pair if not m.ghost for i in m.indices.tolist())
+    assert sorted(seen) == list(range(41))

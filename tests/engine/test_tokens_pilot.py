@@ -172,3 +172,26 @@ def test_the_token_planning_benchmark_runs_on_a_tiny_budget(tmp_path):
     micro = f"micro<={result['settings']['budget_tokens'] // 4} tokens"
     assert set(result["planning"]) == {"world=1", f"world=1, {micro}", "world=4", f"world=4, {micro}"}
     assert result["step_seconds"]["tokens"] > 0 and result["planning_overhead_fraction_of_step"]
+
+
+def test_running_out_of_memory_in_tokens_runs_the_step_again_with_fewer_samples_per_micro_batch():
+    model = w.make_model()
+
+    def forward_that_fits_40_tokens(x, y, mask):
+        if mask.sum() > 40:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB.")
+        return w.token_loss_sum(model, x, y, mask)
+
+    pilot = w.make_pilot(model, controller=w.Budgets([120, 200, 90]), oom_recovery=True)
+    by_step: dict[int, list[int]] = {}
+    for x, y, mask in pilot.batches(max_steps=12):
+        m = pilot.micro_batch
+        if m.micro_index == 0:
+            by_step[m.step] = []  # (a step run again starts over)
+        by_step[m.step].extend([] if m.ghost else m.indices.tolist())
+        with pilot.micro_step():
+            pilot.backward(forward_that_fits_40_tokens(x, y, mask))
+    assert pilot.oom_replays > 0 and pilot.loader.max_micro_batch_size is not None
+    indices = [by_step[s] for s in range(12)]
+    for got, want in zip(model.parameters(), w.reference_weights(indices)):
+        assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-12)
