@@ -33,7 +33,7 @@ from .driver import SizeDriver
 from .finish import finish_step
 from .guard import RollbackGuard
 from .pilot_view import PilotView
-from .placement import engine_reduces_gradients, resolve_world, training_device
+from .placement import data_parallel_wrapper, engine_reduces_gradients, resolve_world, training_device
 from .preemption import Preemption
 from .probes import adopt_anchor, lr_config, resolve_auto, run_probes
 from .rank_balance import PilotRankWeights
@@ -73,6 +73,7 @@ class Pilot(PilotView):
         cfg, mem, prec = self.config, self.config.memory, self.config.precision
         self.model, self.optimizer = model, optimizer
         self._module, self._ddp_model = unwrap(model)  # the bare module (what checkpoints hold), the DDP wrapper
+        self._ddp_model = data_parallel_wrapper(self._module, self._ddp_model, cfg)  # FSDP2: engine/sharded.py
         self.rank, self.world_size = resolve_world(cfg.distributed, self._ddp_model)
         self.oom_recovery = mem.oom_recovery
         engine_reduces = engine_reduces_gradients(self._ddp_model, self.world_size, mem.oom_recovery)

@@ -8,7 +8,21 @@ from typing import Any
 import torch
 
 from .. import distributed as bpdist
-from .config import DistributedConfig
+from .config import DistributedConfig, PilotConfig
+from .sharded import ShardedModel, is_sharded
+
+
+def data_parallel_wrapper(module: torch.nn.Module, ddp_model: Any, config: PilotConfig) -> Any:
+    """The DDP wrapper, or for a model sharded by ``fully_shard`` (FSDP2) its stand-in :class:`ShardedModel`
+    (engine/sharded.py), or ``None``.
+
+    Raises:
+        ValueError: an FSDP2 model with a setting it cannot train with (see :class:`ShardedModel`).
+    """
+    if ddp_model is not None or not is_sharded(module):
+        return ddp_model
+    return ShardedModel(module, oom_recovery=config.memory.oom_recovery, amp=config.precision.amp,
+                        compression=config.distributed.compression)
 
 
 def resolve_world(distributed: DistributedConfig, ddp_model: Any) -> tuple[int, int]:

@@ -35,6 +35,7 @@ from ..rng import gather_rng_states, restore_rng_states
 from .config import PilotConfig
 from .driver import SizeDriver
 from .replay import keep_finished_step
+from .sharded import dcp_problems, is_sharded, load_dcp, prune_dcp, resolve_dcp, save_dcp
 from .step_end import StepEnd, StepLog
 
 logger = logging.getLogger("batchpilot")
@@ -102,7 +103,11 @@ class PilotState:
             p = state["pilot"]
             self.driver.restore_counters(int(p["step"]), int(p["samples_seen"]), p["losses"], p["throughput"])
             counters = int(p["skipped_steps"]), p.get("override")
-            load_parts(state, self.parts, self.lr_schedulers)
+            parts = self.parts
+            if state.get("sharded") is not None:  # saved by FSDP2: model and optimizer from DCP, resharded
+                load_dcp(state, self.parts["model"], self.parts["optimizer"])
+                parts = {k: v for k, v in parts.items() if k not in ("model", "optimizer")}
+            load_parts(state, parts, self.lr_schedulers)
             restore_rng_states(state["rng"], self.rank, self.world_size, self.device)
         except Exception as exc:  # the checks above passed, so this is a damaged state: say what it did
             raise partly_loaded(exc) from exc
@@ -131,6 +136,10 @@ class PilotState:
             self.coupling.unscale()
         try:
             state = state_dict()
+            if is_sharded(self.parts["model"]):  # FSDP2: model and optimizer through DCP (engine/sharded.py)
+                save_dcp(state, path, self.parts["model"], self.parts["optimizer"])  # (the schedule's own LR)
+                if self.world_size > 1:
+                    bpdist.barrier()  # every rank's shards are written before the .pt names them complete
         finally:
             if scaled:
                 self.coupling.scale(self.loader.next_step_size())
@@ -139,6 +148,7 @@ class PilotState:
             written = save_checkpoint(path, state)
             if ckpt.checkpoint_dir is not None and path.parent == ckpt.checkpoint_dir:
                 prune_checkpoints(ckpt.checkpoint_dir, ckpt.keep_checkpoints, written)
+                prune_dcp(ckpt.checkpoint_dir)
         if self.world_size > 1:
             bpdist.barrier()
         return written
@@ -186,8 +196,11 @@ def find_checkpoint(path: str | os.PathLike, missing_ok: bool) -> tuple[Path, di
         if found is None and not missing_ok:
             raise CheckpointError(f"no checkpoint in {str(path)!r} (no step-*.pt files); pass missing_ok=True "
                                   "to start from step 0 when there is none.")
-        return found
-    return path, read_checkpoint(path)
+    else:
+        found = path, read_checkpoint(path)
+    if found is not None:
+        resolve_dcp(found[1], found[0])  # FSDP2: the DCP folder beside the file
+    return found
 
 
 def state_shape_problem(state: Any) -> str | None:
@@ -231,7 +244,10 @@ def load_problems(state: dict[str, Any], *, components: dict[str, Any], schedule
     (:func:`~batchpilot.checkpoint.fit_problems`), the adjustment log, the LR schedulers, and the controller's
     and the LR rules' states, loaded into copies first."""
     model, optimizer = components["model"], components["optimizer"]
-    problems = fit_problems(state, model=model, optimizer=optimizer, sampler=loader.sampler)
+    problems = fit_problems(state, model=model, optimizer=optimizer, sampler=loader.sampler) + dcp_problems(state)
+    if state.get("sharded") is None and is_sharded(model) and not _holds_shards(state.get("model")):
+        problems.append("it was saved without fully_shard (full weights), and this model is sharded (FSDP2); load it "
+                        "into the model before fully_shard, or resume without FSDP2")
     if log is not None and state["log_position"] is not None:
         problem = log.resume_problem(state["log_position"])
         if problem is not None:
@@ -246,6 +262,12 @@ def load_problems(state: dict[str, Any], *, components: dict[str, Any], schedule
         if failure is not None:
             problems.append(f"its {key} state does not load into this Pilot's {type(obj).__name__} ({failure})")
     return problems
+
+
+def _holds_shards(model_state: Any) -> bool:
+    """Whether a model state holds DTensors (an in-memory state of an FSDP2 model), or nothing to load."""
+    values = list(model_state.values()) if isinstance(model_state, dict) else []
+    return not values or any(hasattr(v, "to_local") for v in values)
 
 
 def _scheduler_problems(state: dict[str, Any], here: list[Any], shared: dict[int, Any]) -> list[str]:

@@ -21,6 +21,7 @@ from ..lr import AdaScaleLR, LRCoupling, SampleLRSchedule
 from ..measure import GradientNoiseProbe, read_scalars
 from .config import LRConfig
 from .preemption import Preemption
+from .sharded import ShardedModel
 
 logger = logging.getLogger("batchpilot")
 
@@ -142,6 +143,7 @@ class StepEnd:
         self.grad_clip, self.skip_nonfinite = grad_clip, skip_nonfinite
         self.stats_clip = StatsClip() if grad_clip == "stats" else None
         self.engine_reduces, self.ddp_model, self.module = engine_reduces, ddp_model, module
+        self.sharded = ddp_model if isinstance(ddp_model, ShardedModel) else None  # FSDP2: norms over shards
         self.world_size, self.rank = world_size, rank
         self.losses: list[tuple[torch.Tensor, float]] = []  # the step's (detached loss, weight in samples)
         self.preemption: Preemption | None = None  # save_on_sigterm's flag, agreed on in the loss all-reduce
@@ -185,7 +187,10 @@ class StepEnd:
             (scaler is not None and self.adascale is not None)
         norm = float("nan")
         if needs_norm:
-            norm = cpu_grad_norm(params) if self.grads.cpu_wide else grad_norm(params)
+            if self.sharded is not None:
+                norm = self.sharded.grad_norm(params)
+            else:
+                norm = cpu_grad_norm(params) if self.grads.cpu_wide else grad_norm(params)
         stats = {}
         if self.noise is not None:
             reduce = bpdist.all_reduce_sum if self.world_size > 1 else None

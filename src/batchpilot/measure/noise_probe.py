@@ -117,6 +117,7 @@ class GradientNoiseProbe:
         # period then measures no more often than a split step (MIN_SPLIT_PERIOD).
         self.costly = False
         self.seconds = 0.0  # time spent measuring, for the overhead report
+        self.reads_every_backward = False  # FSDP2: every backward of a measured step reduces (read_local_sq)
 
     @property
     def population(self) -> int | None:
@@ -152,8 +153,7 @@ class GradientNoiseProbe:
             return
         self.params = params
         self._index = {id(p): i for i, p in enumerate(params)}
-        self._prev = None
-        self._have_prev = False
+        self._prev, self._have_prev = None, False
 
     def measures(self, params: list[torch.nn.Parameter]) -> bool:
         """Whether the probe measures exactly ``params``, in this order."""
@@ -170,6 +170,11 @@ class GradientNoiseProbe:
         ``train()`` or ``fit()``) takes the hook over. Returns ``False`` (and the probe keeps splitting) if
         the model already has another communication hook.
         """
+        attach = getattr(ddp_model, "attach_noise_probe", None)
+        if attach is not None:  # FSDP2 (engine/sharded.py): each micro-batch's gradient is read in its reduce-scatter
+            attach(self)
+            self._split, self.reads_every_backward = False, True
+            return True
         if not getattr(ddp_model, "_batchpilot_hooked", False):
             try:
                 _register_dispatcher(ddp_model)
@@ -189,8 +194,12 @@ class GradientNoiseProbe:
             index = [self._index.get(id(p)) for p in bucket.parameters()]
             increment = [g if prev is None or i is None else g - prev[i] for g, i in zip(bucket.gradients(), index)]
             sq = sum_of_squares(increment, lazy=True)  # on a GPU a device tensor: no sync inside backward
-            self._hook_sq = sq if self._hook_sq is None else self._hook_sq + sq
+            self.read_local_sq(sq)
             self.seconds += time.perf_counter() - start
+
+    def read_local_sq(self, sq: float | torch.Tensor) -> None:
+        """Add a squared norm of this rank's gradient in this backward, read before the reduction (DDP, FSDP2)."""
+        self._hook_sq = sq if self._hook_sq is None else self._hook_sq + sq
 
     def begin_step(self, step_index: int, small_batches: bool = False) -> None:
         """Step ``step_index`` starts; ``small_batches``: it has its own small batches (two or more micro-batches
@@ -201,10 +210,8 @@ class GradientNoiseProbe:
             self.measuring = step_index % self.every == 0 if free else self.splits(step_index, costly=self.costly)
         else:
             self.measuring = step_index % self.every == 0
-        self._sq_norms.clear()
-        self._sizes.clear()
-        self._hook_sq = None
-        self._have_prev = False
+        self._sq_norms, self._sizes = [], []
+        self._hook_sq, self._have_prev = None, False
 
     def after_backward(self, micro_batch_size: int, to_mean: float, synced: bool, last: bool = False) -> None:
         """Record the gradient norm of a micro-batch of ``micro_batch_size`` samples.
@@ -218,7 +225,7 @@ class GradientNoiseProbe:
                 its local norm is the one the DDP hook saw (:meth:`attach_ddp`), if any.
             last: The step's last micro-batch on this rank (its gradient need not be kept for a next one).
         """
-        if synced:
+        if synced or self.reads_every_backward:
             sq, self._hook_sq = self._hook_sq, None
             if self.measuring and micro_batch_size and sq is not None:
                 self._sq_norms.append(sq / to_mean**2)
@@ -309,7 +316,8 @@ class GradientNoiseProbe:
         return dict(self._values)
 
     def _grads(self) -> list[torch.Tensor]:
-        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        return [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # FSDP2 on one rank: local shards
 
     def state_dict(self) -> dict[str, Any]:
         return {"every": int(self.every), "estimator": self.estimator.state_dict(), "adaptive": self.adaptive,

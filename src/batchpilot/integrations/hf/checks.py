@@ -103,6 +103,12 @@ def check_arguments(trainer: Any) -> None:
             f"{type(trainer).__name__} overrides _get_train_sampler, which this trainer never calls: its sampler "
             "decides coverage and the batch size. Reorder or weight the data in the dataset instead."
         )
+    if getattr(args, "fsdp", None) or getattr(trainer, "is_fsdp_enabled", False):
+        problems.append(
+            "FSDP (TrainingArguments(fsdp=...) or accelerate's FSDP plugin) is not supported: the trainer's loss "
+            "weighting, gradient statistics and checkpoints assume DDP. Train the fully_shard model with "
+            "batchpilot.Pilot (docs/fsdp.md), or use DDP here."
+        )
     parallel = trainer.get_tp_size() * trainer.get_cp_size() * trainer.get_sp_size()
     if parallel > 1:
         problems.append(f"tensor/context/sequence parallelism (size {parallel}) is not supported; use data parallelism.")

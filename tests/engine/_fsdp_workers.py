@@ -1,0 +1,154 @@
+"""Worker functions for the FSDP2 tests (module level, so ``spawn`` can import them): the same training with DDP
+and with ``fully_shard`` on 2 gloo ranks, and checkpoints through DCP saved on 2 ranks, loaded on 2 and on 1."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _dist_helpers as h  # noqa: E402
+from _hf_common import SizeList  # noqa: E402
+
+import batchpilot  # noqa: E402
+
+STEPS = 20
+
+
+def sharded(model: torch.nn.Module) -> torch.nn.Module:
+    """``fully_shard`` each Linear layer, then the root (FSDP2's usual recipe)."""
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def full_weights(model: torch.nn.Module) -> list[list]:
+    """The full parameters (a collective for sharded ones: every rank calls it)."""
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).tolist() for p in model.parameters()]
+
+
+def init(rank: int, world_size: int, init_file: str, backend: str) -> str:
+    """Join the process group; return the device this rank trains on (``cuda:<rank>`` under NCCL)."""
+    device = f"cuda:{rank}" if backend == "nccl" else "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    return device
+
+
+def build(mode: str, rank: int, checkpoint_dir: str | None = None, device: str = "cpu", **settings):
+    """The model (``"ddp"``, ``"fsdp"`` or ``"plain"``), its optimizer and a Pilot with changing sizes, accumulation
+    (micro-batches of at most 4), clipping, and the gradient noise scale measured every 2nd step."""
+    model = h.make_model().to(device)
+    net = torch.nn.parallel.DistributedDataParallel(model) if mode == "ddp" else \
+        sharded(model) if mode == "fsdp" else model
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    controller = SizeList(h.SIZES) if rank == 0 else SizeList([0])
+    pilot = batchpilot.Pilot(net, opt, h.make_data(), batch_size=4, controller=controller, max_micro_batch_size=4,
+                             seed=5, lr_rule="linear", base_batch_size=4, noise_every=2, grad_clip=0.5,
+                             checkpoint_dir=checkpoint_dir, device=device, **settings)
+    return model, net, pilot
+
+
+def train_worker(rank: int, world_size: int, init_file: str, out_dir: str, mode: str, backend: str = "gloo") -> None:
+    """Train ``STEPS`` steps; write the per-step sizes and norms, the noise statistics and the full weights."""
+    device = init(rank, world_size, init_file, backend)
+    try:
+        model, net, pilot = build(mode, rank, device=device)
+        out: dict = {"sizes": [], "norms": [], "accumulation": []}
+        pilot.add_callback(lambda p, r: (out["sizes"].append(r["batch/global_size"]),
+                                         out["norms"].append(r["grad/norm"])))
+        for x, y in pilot.batches(max_steps=STEPS):
+            m = pilot.micro_batch
+            if m.is_last:
+                out["accumulation"].append(m.accumulation_steps)
+            pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+        out["noise"] = {k: v for k, v in pilot.last_record.items() if k.startswith("stats/")}
+        out["weights"] = full_weights(model)
+        out["grad_types"] = sorted({type(p.grad).__name__ for p in model.parameters()})
+        Path(out_dir, f"{mode}{rank}.json").write_text(json.dumps(out))
+        del pilot, net, model
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    h.finish()
+
+
+def checkpoint_worker(rank: int, world_size: int, init_file: str, out_dir: str, backend: str = "gloo") -> None:
+    """Train 20 steps with a checkpoint every 5 (through DCP); a new Pilot loads the step-10 one and trains to step
+    20 again. Writes both runs' final weights and the weights at step 10."""
+    device = init(rank, world_size, init_file, backend)
+    try:
+        ckpt = Path(out_dir, "ckpt")
+        model, net, pilot = build("fsdp", rank, checkpoint_dir=str(ckpt), checkpoint_every=5, keep_checkpoints=10,
+                                  device=device)
+        at10: list = []
+        pilot.add_callback(lambda p, r, m=model: at10.extend(full_weights(m)) if p.step == 10 else None)
+        for x, y in pilot.batches(max_steps=STEPS):
+            pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+        first = full_weights(model)
+        del pilot, net, model
+        model, net, pilot = build("fsdp", rank, device=device)
+        loaded = pilot.load_checkpoint(ckpt / "step-000000010.pt")
+        at10_loaded = full_weights(model)
+        for x, y in pilot.batches(max_steps=STEPS):
+            pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+        out = {"first": first, "at10": at10, "at10_loaded": at10_loaded, "resumed": full_weights(model),
+               "step": pilot.step, "loaded": None if loaded is None else loaded.name,
+               "files": sorted(p.name for p in ckpt.iterdir())}
+        Path(out_dir, f"ckpt{rank}.json").write_text(json.dumps(out))
+        del pilot, net, model
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    h.finish()
+
+
+def reshard_worker(rank: int, world_size: int, init_file: str, out_dir: str, mode: str) -> None:
+    """1 rank: load the 2-rank checkpoint of step 10 into a ``mode`` model (``"fsdp"`` on a 1-rank group, or
+    ``"plain"``) and train to step 20."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        model, net, pilot = build(mode, rank)
+        pilot.load_checkpoint(Path(out_dir, "ckpt", "step-000000010.pt"))
+        at10 = full_weights(model)
+        for x, y in pilot.batches(max_steps=STEPS):
+            pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+        out = {"at10": at10, "final": full_weights(model), "step": pilot.step}
+        Path(out_dir, f"reshard_{mode}.json").write_text(json.dumps(out))
+        del pilot, net, model
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    h.finish()
+
+
+def refuse_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    """The settings FSDP2 refuses, and a model whose root is not sharded: the messages."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        messages = {}
+        for name, kwargs in (("oom", {"oom_recovery": True}), ("fp16", {"amp": "fp16"}),
+                             ("compression", {"compression": "1bit"})):
+            try:
+                build("fsdp", rank, **kwargs)
+            except ValueError as exc:
+                messages[name] = str(exc)
+        model = h.make_model()
+        fully_shard(model[0])  # the last layer and the root are left unsharded
+        try:
+            batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), h.make_data(), batch_size=4)
+        except ValueError as exc:
+            messages["root"] = str(exc)
+        Path(out_dir, f"refuse{rank}.json").write_text(json.dumps(messages))
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    h.finish()
