@@ -2,5 +2,6 @@
 
 from .loader import AdaptiveDataLoader, MicroBatch
 from .sampler import AdaptiveBatchSampler, SamplerPosition
+from .tokens import plan_token_batch
 
-__all__ = ["AdaptiveBatchSampler", "AdaptiveDataLoader", "MicroBatch", "SamplerPosition"]
+__all__ = ["AdaptiveBatchSampler", "AdaptiveDataLoader", "MicroBatch", "SamplerPosition", "plan_token_batch"]
