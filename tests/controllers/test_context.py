@@ -53,7 +53,7 @@ def simulate(first: int, decide, epochs: int, *, seed: int = 0, shuffle: bool = 
     """Sizes of a run whose decision after each step is ``decide(step, size, next_indices)`` (next ``size``
     samples of the epoch order from the position), worked out from the sampler's order alone."""
     order = AdaptiveBatchSampler(N, 1, seed=seed, shuffle=shuffle).order
-    stream = lambda e, o, k: np.concatenate([order(e)[o:], order(e + 1)])[:k]  # noqa: E731
+    stream = lambda e, o, k: order(e)[o:o + k]  # noqa: E731  (the next step's samples: never past the epoch)
     sizes, size, step = [], first, 0
     for epoch in range(epochs):
         offset = 0
@@ -182,18 +182,22 @@ def test_data_providers_read_the_next_samples_from_the_position():
     sampler = AdaptiveBatchSampler(N, 10, seed=3)
     labels = np.where(np.arange(N) < 30, "task_a", "task_b")
     mix, score = DataMix(labels, key="task_ratios", source=sampler), DataScore(np.arange(N) / N, source=sampler)
-    for size in [10] * 8 + [5, 10]:  # 85 samples in: the window (10) crosses into epoch 1's order
-        sampler.set_batch_size(size)
-        if size == 10 and sampler.offset == 85:
-            break
+    for _ in range(4):
         sampler.next_global_batch()
-    window = np.concatenate([sampler.order(0)[85:], sampler.order(1)[:5]])
+    window = sampler.order(0)[40:50]  # the next step's samples at the size in force
     assert list(window) == list(score.indices())
     assert score() == {"score": pytest.approx(float(np.mean(window / N)))}
     share = float(np.mean(window < 30))
     assert mix() == {"task_ratios": {"task_a": pytest.approx(share), "task_b": pytest.approx(1 - share)}}
+    for size in [10] * 4 + [5]:  # 85 samples in: the next step takes the epoch's last 5 only
+        sampler.set_batch_size(size)
+        sampler.next_global_batch()
+    sampler.set_batch_size(10)
+    assert list(score.indices()) == list(sampler.order(0)[85:])
+    crossing = DataScore(np.zeros(N), window=10, source=sampler).indices()  # window=: into epoch 1's order
+    assert list(crossing) == list(sampler.order(0)[85:]) + list(sampler.order(1)[:5])
     assert len(DataScore(np.zeros(N), window=50, source=sampler).indices()) == 50
-    assert DataScore(np.arange(N), reduce=np.max, source=lambda: sampler)()["score"] == max(window)
+    assert DataScore(np.arange(N), reduce=np.max, source=lambda: sampler)()["score"] == max(sampler.order(0)[85:])
     # drop_last: a tail smaller than the size in force is skipped, as the sampler drops it.
     dropping = AdaptiveBatchSampler(N, 20, seed=3, drop_last=True)
     for _ in range(4):

@@ -39,7 +39,7 @@ def expected_sizes(first: int, epochs: int, difficulty: np.ndarray, seed: int = 
             offset += sizes[-1]
             step += 1
             e, o = (epoch + 1, 0) if offset == N else (epoch, offset)
-            window = np.concatenate([order(e)[o:], order(e + 1)])[:size]
+            window = order(e)[o:o + size]
             size = RULE(step, size, float(np.mean(difficulty[window])))
     return sizes
 

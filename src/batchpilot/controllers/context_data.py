@@ -87,9 +87,10 @@ class _NextBatch:
         return self
 
     def indices(self) -> np.ndarray:
-        """Dataset indices of the samples the next step trains: the next ``window`` samples (default: the global
-        batch size in force; with ``batch_unit="tokens"``, the samples the token budget in force takes) of the epoch
-        order from the data position. With ``drop_last``, a tail of the epoch smaller than the size in force is
+        """Dataset indices of the samples the next step trains if the size in force stays: the next samples of the
+        epoch order from the data position, as many as the global batch size in force (with ``batch_unit="tokens"``,
+        as the token budget takes), the epoch's rest at most; with ``window``, the next ``window`` samples, into the
+        next epoch's order if need be. With ``drop_last``, a tail of the epoch smaller than the size in force is
         skipped, as the sampler will drop it.
 
         Raises:
@@ -107,10 +108,11 @@ class _NextBatch:
         left = sampler.num_samples - offset if plan is None else plan.left(sampler.order(epoch), epoch, offset)
         if sampler.drop_last and offset > 0 and left < batch_size:
             epoch, offset = epoch + 1, 0
-        if plan is not None and self.window is None:  # the samples of the next budget (the epoch's rest at most)
-            order = sampler.order(epoch)
-            return np.array(order[offset:offset + plan.take(order, epoch, offset, batch_size)])
-        return next_samples(sampler, epoch, offset, self.window or batch_size)
+        if self.window is not None:
+            return next_samples(sampler, epoch, offset, self.window)
+        order = sampler.order(epoch)  # the next step's samples if the size stays: never past the epoch's end
+        take = batch_size if plan is None else plan.take(order, epoch, offset, batch_size)
+        return np.array(order[offset:offset + take])
 
 
 class DataMix(_NextBatch):
@@ -123,8 +125,8 @@ class DataMix(_NextBatch):
         labels: One label per sample, in dataset order (task names, ``"new"``/``"old"``, ...): hashable and
             sortable (all strings, or all numbers).
         key: Name of the context entry.
-        window: Samples to read (default: the global batch size in force, i.e. the next step's samples if the
-            size stays).
+        window: Samples to read (default: the next step's samples if the size in force stays; at an epoch's end,
+            its rest).
         source: Where to read the data position (see :meth:`attach`); may be attached later.
     """
 
