@@ -99,10 +99,11 @@ def token_worker(rank: int, world_size: int, init_file: str, out_dir: str, ddp: 
         wrapped = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
         controller = Budgets(BUDGETS) if rank == 0 else Budgets([0])  # only rank 0's is asked
         pilot = make_pilot(wrapped, controller=controller, max_micro_batch_tokens=max_tokens,
-                           rank_weights=rank_weights)
+                           rank_weights=rank_weights, noise_every=2)  # the noise scale's sums cross the ranks too
         records = train(pilot, wrapped, steps)
         out = {"records": records, "weights": [p.detach().tolist() for p in model.parameters()],
-               "tokens_seen": pilot.tokens_seen, "samples_seen": pilot.samples_seen, "observed": controller.seen}
+               "tokens_seen": pilot.tokens_seen, "samples_seen": pilot.samples_seen, "observed": controller.seen,
+               "noise": {k: v for k, v in pilot.last_record.items() if k.startswith("stats/")}}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
         del pilot, wrapped
         dist.barrier()

@@ -47,6 +47,7 @@ def test_two_ranks_cover_exactly_and_match_one_big_batch_per_step(tmp_path, ddp,
     for e in complete:
         assert sorted(epochs[e]) == list(range(w.NUM_SAMPLES)), e
     assert r0["weights"] == r1["weights"]
+    assert r0["noise"] == r1["noise"] and r0["noise"]  # one estimate, in tokens, on every rank
     reference = w.reference_weights(steps_indices)
     for got, want in zip(r0["weights"], reference):
         diff = max(abs(g - v) for g, v in zip(_flat(got), _flat(want)))
