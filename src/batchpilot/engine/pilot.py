@@ -253,7 +253,9 @@ class Pilot(PilotView):
 
         With ``loss_reduction="mean"`` a micro-batch of ``n`` samples in a global batch of ``B`` is weighted
         ``n / B`` (times the world size under DDP, which averages over ranks), so the accumulated gradient
-        equals the gradient of the mean loss over all ``B`` samples, whatever the split.
+        equals the gradient of the mean loss over all ``B`` samples, whatever the split. With
+        ``batch_unit="tokens"``, ``n`` and ``B`` count tokens: pass a loss summed (``"sum"``) or averaged (``"mean"``)
+        over the micro-batch's tokens, and the step's gradient is that of the mean loss per token (docs/tokens.md).
 
         Raises:
             RuntimeError: called outside :meth:`batches` or twice for one micro-batch.
