@@ -147,8 +147,8 @@ class StepPasses:
             units = [n for _, n in pieces]  # a piece's share of the micro-batch, in rows
         else:  # batch_unit="tokens": passes balanced in tokens, each weighted by its tokens
             pieces = split_rows(inputs, None, token_pieces(row_tokens, max_rows, run.max_micro_batch_tokens))
-            ends = np.cumsum([n for _, n in pieces])
-            units = [int(row_tokens[end - n:end].sum()) for (_, n), end in zip(pieces, ends)]
+            cumulative = np.concatenate([[0], np.cumsum(row_tokens)])
+            units = np.diff(cumulative[np.cumsum([0] + [n for _, n in pieces])]).tolist()
         total = sum(units)
         loss: torch.Tensor | None = None
         for i, (part, n) in enumerate(pieces):
