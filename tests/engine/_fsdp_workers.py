@@ -57,24 +57,27 @@ def build(mode: str, rank: int, checkpoint_dir: str | None = None, device: str =
     return model, net, pilot
 
 
-def train_worker(rank: int, world_size: int, init_file: str, out_dir: str, mode: str, backend: str = "gloo") -> None:
-    """Train ``STEPS`` steps; write the per-step sizes and norms, the noise statistics and the full weights."""
+def train_worker(rank: int, world_size: int, init_file: str, out_dir: str, modes: tuple[str, ...],
+                 backend: str = "gloo") -> None:
+    """Train ``STEPS`` steps with each of ``modes``; write the per-step sizes and norms, the noise statistics and the
+    full weights of each."""
     device = init(rank, world_size, init_file, backend)
     try:
-        model, net, pilot = build(mode, rank, device=device)
-        out: dict = {"sizes": [], "norms": [], "accumulation": []}
-        pilot.add_callback(lambda p, r: (out["sizes"].append(r["batch/global_size"]),
-                                         out["norms"].append(r["grad/norm"])))
-        for x, y in pilot.batches(max_steps=STEPS):
-            m = pilot.micro_batch
-            if m.is_last:
-                out["accumulation"].append(m.accumulation_steps)
-            pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
-        out["noise"] = {k: v for k, v in pilot.last_record.items() if k.startswith("stats/")}
-        out["weights"] = full_weights(model)
-        out["grad_types"] = sorted({type(p.grad).__name__ for p in model.parameters()})
-        Path(out_dir, f"{mode}{rank}.json").write_text(json.dumps(out))
-        del pilot, net, model
+        for mode in modes:
+            model, net, pilot = build(mode, rank, device=device)
+            out: dict = {"sizes": [], "norms": [], "accumulation": []}
+            pilot.add_callback(lambda p, r, out=out: (out["sizes"].append(r["batch/global_size"]),
+                                                      out["norms"].append(r["grad/norm"])))
+            for x, y in pilot.batches(max_steps=STEPS):
+                m = pilot.micro_batch
+                if m.is_last:
+                    out["accumulation"].append(m.accumulation_steps)
+                pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+            out["noise"] = {k: v for k, v in pilot.last_record.items() if k.startswith("stats/")}
+            out["weights"] = full_weights(model)
+            out["grad_types"] = sorted({type(p.grad).__name__ for p in model.parameters()})
+            Path(out_dir, f"{mode}{rank}.json").write_text(json.dumps(out))
+            del pilot, net, model
     except BaseException:
         dist.destroy_process_group()
         raise
@@ -111,19 +114,20 @@ def checkpoint_worker(rank: int, world_size: int, init_file: str, out_dir: str, 
     h.finish()
 
 
-def reshard_worker(rank: int, world_size: int, init_file: str, out_dir: str, mode: str) -> None:
-    """1 rank: load the 2-rank checkpoint of step 10 into a ``mode`` model (``"fsdp"`` on a 1-rank group, or
-    ``"plain"``) and train to step 20."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+def reshard_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    """1 rank: load the 2-rank checkpoint of step 10 into a 1-rank ``fully_shard`` model, then into the bare model,
+    and train each to step 20."""
+    init(rank, world_size, init_file, "gloo")
     try:
-        model, net, pilot = build(mode, rank)
-        pilot.load_checkpoint(Path(out_dir, "ckpt", "step-000000010.pt"))
-        at10 = full_weights(model)
-        for x, y in pilot.batches(max_steps=STEPS):
-            pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
-        out = {"at10": at10, "final": full_weights(model), "step": pilot.step}
-        Path(out_dir, f"reshard_{mode}.json").write_text(json.dumps(out))
-        del pilot, net, model
+        for mode in ("fsdp", "plain"):
+            model, net, pilot = build(mode, rank)
+            pilot.load_checkpoint(Path(out_dir, "ckpt", "step-000000010.pt"))
+            at10 = full_weights(model)
+            for x, y in pilot.batches(max_steps=STEPS):
+                pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+            out = {"at10": at10, "final": full_weights(model), "step": pilot.step}
+            Path(out_dir, f"reshard_{mode}.json").write_text(json.dumps(out))
+            del pilot, net, model
     except BaseException:
         dist.destroy_process_group()
         raise

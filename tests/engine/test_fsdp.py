@@ -29,9 +29,9 @@ def close(a: list, b: list, tol: float) -> None:
                                    rtol=0, atol=tol)
 
 
+@pytest.mark.slow
 def test_fsdp_trains_the_weights_ddp_trains(tmp_path):
-    spawn(w.train_worker, tmp_path, "ddp", init="init_ddp")
-    spawn(w.train_worker, tmp_path, "fsdp", init="init_fsdp")
+    spawn(w.train_worker, tmp_path, ("ddp", "fsdp"))
     ddp, fsdp = read(tmp_path, "ddp0"), read(tmp_path, "fsdp0")
     assert fsdp["grad_types"] == ["NoneType"]  # the gradients are dropped after each step
     assert ddp["sizes"] == fsdp["sizes"] and len(set(fsdp["sizes"])) > 5  # changing sizes, 1 sample included
@@ -48,6 +48,7 @@ def test_fsdp_trains_the_weights_ddp_trains(tmp_path):
         assert fsdp["noise"][key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
 
 
+@pytest.mark.slow
 def test_fsdp_checkpoint_resumes_exactly_and_reshards_onto_one_rank(tmp_path):
     spawn(w.checkpoint_worker, tmp_path)
     r0, r1 = read(tmp_path, "ckpt0"), read(tmp_path, "ckpt1")
@@ -55,8 +56,8 @@ def test_fsdp_checkpoint_resumes_exactly_and_reshards_onto_one_rank(tmp_path):
     assert "step-000000010.dcp" in r0["files"] and "step-000000010.pt" in r0["files"]
     assert r0["at10_loaded"] == r0["at10"]
     assert r0["resumed"] == r0["first"] == r1["resumed"]  # bit for bit
+    spawn(w.reshard_worker, tmp_path, nprocs=1, init="init_one")
     for mode in ("fsdp", "plain"):  # a 1-rank fully_shard model, and the bare model
-        spawn(w.reshard_worker, tmp_path, mode, nprocs=1, init=f"init_{mode}")
         one = read(tmp_path, f"reshard_{mode}")
         assert one["step"] == w.STEPS
         assert one["at10"] == r0["at10"]  # the DCP shards of 2 ranks, resharded onto 1

@@ -17,8 +17,7 @@ pytestmark = [pytest.mark.distributed,
 def test_fsdp_on_gpus_trains_the_weights_of_the_unsharded_model(tmp_path):
     ranks = min(torch.cuda.device_count(), 2)
     reference = "ddp" if ranks == 2 else "plain"
-    spawn(w.train_worker, tmp_path, reference, "nccl", nprocs=ranks, init="init_ref")
-    spawn(w.train_worker, tmp_path, "fsdp", "nccl", nprocs=ranks, init="init_fsdp")
+    spawn(w.train_worker, tmp_path, (reference, "fsdp"), "nccl", nprocs=ranks)
     ref, fsdp = read(tmp_path, f"{reference}0"), read(tmp_path, "fsdp0")
     assert ref["sizes"] == fsdp["sizes"] and ref["accumulation"] == fsdp["accumulation"]
     close([fsdp["norms"]], [ref["norms"]], 1e-9)

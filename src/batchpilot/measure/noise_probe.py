@@ -173,7 +173,7 @@ class GradientNoiseProbe:
         attach = getattr(ddp_model, "attach_noise_probe", None)
         if attach is not None:  # FSDP2 (engine/sharded.py): each micro-batch's gradient is read in its reduce-scatter
             attach(self)
-            self._split, self.reads_every_backward = False, True
+            self._split, self.reads_every_backward, self.costly = False, True, True  # (costly: no no_sync then)
             return True
         if not getattr(ddp_model, "_batchpilot_hooked", False):
             try:
