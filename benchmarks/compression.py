@@ -209,17 +209,25 @@ def plot(result: dict, path: Path) -> None:
     panels += [("simulator", k, v) for k, v in result["simulator"].items()]
     if not panels:
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-    for ax, (label, key, table) in zip(axes[0], panels):
+    cols = min(3, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.9 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (label, key, table) in zip(axes.flat, panels):
         for method, times in table.items():
-            ax.loglog(BANDWIDTHS, times, marker="o", ms=3, label=method)
-        ax.set_title(f"{key} ({label})", fontsize=9)
-        ax.set_xlabel("link bandwidth (bytes/s)")
-        ax.set_ylabel("time to target (s)")
+            color = plt.get_cmap("tab10")(METHODS.index(method) if method in METHODS else 9)
+            reached = any(math.isfinite(t) for t in times)
+            ax.loglog(BANDWIDTHS, [t if math.isfinite(t) else math.nan for t in times], marker="o", ms=3, color=color,
+                      label=method if reached else f"{method} (not reached)")
+        ax.legend(fontsize=5)
+        ax.set_title(f"{key} ({label})", fontsize=8)
+        ax.set_xlabel("link bandwidth (bytes/s)", fontsize=7)
+        ax.set_ylabel("time to target (s)", fontsize=7)
+        ax.tick_params(labelsize=6)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=72)
 
 
 def main(argv: list[str] | None = None) -> None:
