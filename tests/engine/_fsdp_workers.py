@@ -123,11 +123,31 @@ def reshard_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> 
             model, net, pilot = build(mode, rank)
             pilot.load_checkpoint(Path(out_dir, "ckpt", "step-000000010.pt"))
             at10 = full_weights(model)
+            if mode == "fsdp":  # a 1-rank checkpoint for reload_worker to reshard onto 2
+                pilot.add_callback(lambda p, r: p.save_checkpoint(Path(out_dir, "one", "step-15.pt"))
+                                   if p.step == 15 else None)
             for x, y in pilot.batches(max_steps=STEPS):
                 pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
             out = {"at10": at10, "final": full_weights(model), "step": pilot.step}
             Path(out_dir, f"reshard_{mode}.json").write_text(json.dumps(out))
             del pilot, net, model
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    h.finish()
+
+
+def reload_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    """2 ranks: load the 1-rank checkpoint of step 15 (see reshard_worker) and train to step 20."""
+    init(rank, world_size, init_file, "gloo")
+    try:
+        model, net, pilot = build("fsdp", rank)
+        pilot.load_checkpoint(Path(out_dir, "one", "step-15.pt"))
+        for x, y in pilot.batches(max_steps=STEPS):
+            pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+        out = {"final": full_weights(model), "step": pilot.step}
+        Path(out_dir, f"reload{rank}.json").write_text(json.dumps(out))
+        del pilot, net, model
     except BaseException:
         dist.destroy_process_group()
         raise

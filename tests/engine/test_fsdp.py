@@ -49,7 +49,7 @@ def test_fsdp_trains_the_weights_ddp_trains(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_checkpoint_resumes_exactly_and_reshards_onto_one_rank(tmp_path):
+def test_fsdp_checkpoint_resumes_exactly_and_reshards_from_two_ranks_to_one_and_back(tmp_path):
     spawn(w.checkpoint_worker, tmp_path)
     r0, r1 = read(tmp_path, "ckpt0"), read(tmp_path, "ckpt1")
     assert r0["loaded"] == "step-000000010.pt" and r0["step"] == w.STEPS
@@ -62,6 +62,10 @@ def test_fsdp_checkpoint_resumes_exactly_and_reshards_onto_one_rank(tmp_path):
         assert one["step"] == w.STEPS
         assert one["at10"] == r0["at10"]  # the DCP shards of 2 ranks, resharded onto 1
         close(one["final"], r0["first"], 1e-12)  # then the same global batches on 1 rank
+    spawn(w.reload_worker, tmp_path, init="init_reload")  # and the 1-rank checkpoint of step 15 back onto 2 ranks
+    reloaded = read(tmp_path, "reload0")
+    assert reloaded["step"] == w.STEPS and reloaded["final"] == read(tmp_path, "reload1")["final"]
+    close(reloaded["final"], r0["first"], 1e-12)
 
 
 def test_fsdp_refuses_what_it_cannot_train_with(tmp_path):
