@@ -119,8 +119,10 @@ def reshard_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> 
     and train each to step 20."""
     init(rank, world_size, init_file, "gloo")
     try:
+        pruned = Path(out_dir, "pruned")
         for mode in ("fsdp", "plain"):
-            model, net, pilot = build(mode, rank)
+            settings = dict(checkpoint_every=2, keep_checkpoints=2) if mode == "fsdp" else {}
+            model, net, pilot = build(mode, rank, checkpoint_dir=str(pruned) if settings else None, **settings)
             pilot.load_checkpoint(Path(out_dir, "ckpt", "step-000000010.pt"))
             at10 = full_weights(model)
             if mode == "fsdp":  # a 1-rank checkpoint for reload_worker to reshard onto 2
@@ -128,7 +130,8 @@ def reshard_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> 
                                    if p.step == 15 else None)
             for x, y in pilot.batches(max_steps=STEPS):
                 pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
-            out = {"at10": at10, "final": full_weights(model), "step": pilot.step}
+            out = {"at10": at10, "final": full_weights(model), "step": pilot.step,
+                   "kept": sorted(p.name for p in pruned.iterdir()) if settings else None}
             Path(out_dir, f"reshard_{mode}.json").write_text(json.dumps(out))
             del pilot, net, model
     except BaseException:

@@ -62,6 +62,8 @@ def test_fsdp_checkpoint_resumes_exactly_and_reshards_from_two_ranks_to_one_and_
         assert one["step"] == w.STEPS
         assert one["at10"] == r0["at10"]  # the DCP shards of 2 ranks, resharded onto 1
         close(one["final"], r0["first"], 1e-12)  # then the same global batches on 1 rank
+    kept = ["step-000000018.dcp", "step-000000018.pt", "step-000000020.dcp", "step-000000020.pt"]
+    assert read(tmp_path, "reshard_fsdp")["kept"] == kept  # keep_checkpoints=2 prunes the DCP folders too
     spawn(w.reload_worker, tmp_path, init="init_reload")  # and the 1-rank checkpoint of step 15 back onto 2 ranks
     reloaded = read(tmp_path, "reload0")
     assert reloaded["step"] == w.STEPS and reloaded["final"] == read(tmp_path, "reload1")["final"]
