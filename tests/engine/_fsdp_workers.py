@@ -4,6 +4,7 @@ and with ``fully_shard`` on 2 gloo ranks, and checkpoints through DCP saved on 2
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -174,6 +175,21 @@ def refuse_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> N
             batchpilot.Pilot(model, torch.optim.SGD(model.parameters(), lr=0.1), h.make_data(), batch_size=4)
         except ValueError as exc:
             messages["root"] = str(exc)
+        # A checkpoint of another model is refused before anything loads; so is one whose DCP folder is gone.
+        _, _, pilot = build("fsdp", rank)
+        saved = pilot.save_checkpoint(Path(out_dir, "other", "step-1.pt"))
+        other = sharded(torch.nn.Sequential(torch.nn.Linear(5, 13), torch.nn.Tanh(), torch.nn.Linear(13, 2)).double())
+        other_pilot = batchpilot.Pilot(other, torch.optim.Adam(other.parameters(), lr=0.01), h.make_data(),
+                                       batch_size=4, seed=5)
+        before = full_weights(other)
+        for name, target in (("other_model", other_pilot), ("no_dcp", pilot)):
+            if name == "no_dcp":
+                shutil.rmtree(Path(out_dir, "other", "step-1.dcp"))
+            try:
+                target.load_checkpoint(saved)
+            except batchpilot.CheckpointError as exc:
+                messages[name] = str(exc)
+        messages["unchanged"] = full_weights(other) == before
         Path(out_dir, f"refuse{rank}.json").write_text(json.dumps(messages))
     except BaseException:
         dist.destroy_process_group()

@@ -77,3 +77,5 @@ def test_fsdp_refuses_what_it_cannot_train_with(tmp_path):
     assert "amp='bf16'" in messages["fp16"]
     assert "drop compression" in messages["compression"]
     assert "not sharded" in messages["root"] and "fully_shard(model)" in messages["root"]
+    assert "other shapes: 0.weight (12, 5) vs (13, 5) here" in messages["other_model"] and messages["unchanged"]
+    assert "DCP folder" in messages["no_dcp"] and "missing or incomplete" in messages["no_dcp"]
