@@ -17,6 +17,7 @@ import _dist_helpers as h  # noqa: E402
 from _hf_common import SizeList  # noqa: E402
 
 import batchpilot  # noqa: E402
+from batchpilot.engine.snapshot import restore_snapshot, take_snapshot  # noqa: E402
 
 STEPS = 20
 
@@ -107,6 +108,14 @@ def checkpoint_worker(rank: int, world_size: int, init_file: str, out_dir: str, 
         out = {"first": first, "at10": at10, "at10_loaded": at10_loaded, "resumed": full_weights(model),
                "step": pilot.step, "loaded": None if loaded is None else loaded.name,
                "files": sorted(p.name for p in ckpt.iterdir())}
+        snapshot = take_snapshot(pilot)  # the rollback guard's in-memory state: this rank's DTensor shards
+        runs = []
+        for _ in range(2):
+            for x, y in pilot.batches(max_steps=STEPS + 3):
+                pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+            runs.append(full_weights(model))
+            restore_snapshot(pilot, snapshot)
+        out["snapshot_runs"] = runs
         Path(out_dir, f"ckpt{rank}.json").write_text(json.dumps(out))
         del pilot, net, model
     except BaseException:

@@ -56,6 +56,7 @@ def test_fsdp_checkpoint_resumes_exactly_and_reshards_from_two_ranks_to_one_and_
     assert "step-000000010.dcp" in r0["files"] and "step-000000010.pt" in r0["files"]
     assert r0["at10_loaded"] == r0["at10"]
     assert r0["resumed"] == r0["first"] == r1["resumed"]  # bit for bit
+    assert r0["snapshot_runs"][0] == r0["snapshot_runs"][1]  # an in-memory snapshot restores bit for bit
     spawn(w.reshard_worker, tmp_path, nprocs=1, init="init_one")
     for mode in ("fsdp", "plain"):  # a 1-rank fully_shard model, and the bare model
         one = read(tmp_path, f"reshard_{mode}")
