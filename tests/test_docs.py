@@ -5,6 +5,7 @@ Blocks that need a launcher (torchrun) are skipped; they are covered by tests/te
 from __future__ import annotations
 
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -24,4 +25,10 @@ def blocks():
 @pytest.mark.parametrize("code", list(blocks()))
 def test_doc_example_runs(code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, "<doc>", "exec"), {"__name__": "__doc_example__"})
+    # An example that sends itself SIGTERM (save_on_sigterm) runs as in a fresh interpreter: with the default
+    # handler, not one a library imported by an earlier test left behind.
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        exec(compile(code, "<doc>", "exec"), {"__name__": "__doc_example__"})
+    finally:
+        signal.signal(signal.SIGTERM, previous)

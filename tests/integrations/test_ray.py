@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -47,11 +48,16 @@ def example():
     saved = {k: os.environ.get(k) for k in [*settings, "RAY_TRAIN_V2_ENABLED"]}
     os.environ.update(settings)
     os.environ.pop("RAY_TRAIN_V2_ENABLED", None)  # the example uses Train V2 (the default since Ray 2.51)
+    # ray.init installs a SIGTERM handler in this (the driver's) process that calls sys.exit; later tests that
+    # send themselves SIGTERM (save_on_sigterm) must find the handler they found before.
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield _example()
     finally:
         ray.shutdown()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
