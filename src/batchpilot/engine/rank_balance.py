@@ -184,6 +184,21 @@ class RankBalancer:
         self.next_step = int(state.get("next_step", self.every))
 
 
+def fold_and_update(balancer: RankBalancer, pending: list[tuple[int, Any]], loader: Any,
+                    step: int) -> tuple[RankWeights | None, RankWeights | None]:
+    """Fold a finished step's ``(samples, timing)`` pairs into ``balancer`` (``pending`` is emptied), re-estimate
+    (a collective on the balancer's steps) and set new weights on ``loader``; return ``(old, new)`` weights
+    (``new`` is ``None`` when they stay). Shared by the Pilot and the HF / Lightning integrations."""
+    for samples, timing in pending:
+        balancer.record(samples, MicroTimer.seconds(timing))
+    pending.clear()
+    old = loader.sampler.rank_weights
+    new = balancer.maybe_update(step)
+    if new is not None:
+        loader.set_rank_weights(new)
+    return old, new
+
+
 def _call(method: weakref.WeakMethod) -> None:
     bound = method()
     if bound is not None:
@@ -278,13 +293,8 @@ class PilotRankWeights:
         """Record the finished step's timings and, with ``"auto"``, re-estimate (on every rank after every step)."""
         if self.balancer is None:
             return None
-        for samples, timing in self._pending:
-            self.balancer.record(samples, MicroTimer.seconds(timing))
-        self._pending.clear()
-        old = self.loader.sampler.rank_weights
-        new = self.balancer.maybe_update(step)
+        old, new = fold_and_update(self.balancer, self._pending, self.loader, step)
         if new is not None:
-            self.loader.set_rank_weights(new)
             rates = [None if r is None else round(r, 3) for r in self.balancer.rates]
             self.event("rank_weights", {"old": None if old is None else list(old), "new": list(new),
                                         "samples_per_compute_s": rates, "source": "auto"})

@@ -18,7 +18,7 @@ from typing import Any
 from ..controllers.goodput import LEAD_SHARE_KEY
 from ..data.loader import AdaptiveDataLoader
 from ..data.shares import RankWeights, check_rank_weights
-from ..engine.rank_balance import RankBalancer
+from ..engine.rank_balance import RankBalancer, fold_and_update
 from ..measure import MicroTimer
 
 __all__ = ["RankShares", "with_lead_share"]
@@ -82,15 +82,9 @@ class RankShares:
         the balancer's steps); new weights go to the loader before its next step is planned."""
         if self.balancer is None:
             return None
-        for samples, timing in self._pending:
-            self.balancer.record(samples, MicroTimer.seconds(timing))
-        self._pending.clear()
-        old = self.loader.sampler.rank_weights
-        new = self.balancer.maybe_update(step)
-        if new is not None:
-            self.loader.set_rank_weights(new)
-            if self.on_change is not None:
-                self.on_change(old, new, list(self.balancer.rates))
+        old, new = fold_and_update(self.balancer, self._pending, self.loader, step)
+        if new is not None and self.on_change is not None:
+            self.on_change(old, new, list(self.balancer.rates))
         return new
 
     def state_dict(self) -> dict[str, Any]:
