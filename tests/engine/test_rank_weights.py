@@ -29,25 +29,12 @@ SIZES = [8, 21, 5, 33, 10, 17, 6, 1, 12, 40, 3, 9, 25, 2, 30, 7]
 WEIGHTS = [1.0, 3.0]
 
 
-class _OutOfMemoryAbove(torch.nn.Module):
-    """Raises the error CUDA raises for a micro-batch of more than ``limit`` rows (``None``: never)."""
-
-    def __init__(self, limit: int | None) -> None:
-        super().__init__()
-        self.limit = limit
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.limit is not None and len(x) > self.limit:
-            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {len(x)} rows.")
-        return x
-
-
 def _train(rank: int, world_size: int, *, wrap_ddp: bool, micro: int | None, weights, steps: int,
            change_at: dict[int, list[float]] | None = None, oom_recovery: bool = False,
            oom_limit: int | None = None) -> dict:
     model = h.make_model()
     if oom_limit is not None:  # rank 1, the one with the larger share, runs out of memory above oom_limit rows
-        model = torch.nn.Sequential(_OutOfMemoryAbove(oom_limit if rank == 1 else None), model)
+        model = torch.nn.Sequential(h._OutOfMemoryAbove(oom_limit if rank == 1 else None), model)
     net = torch.nn.parallel.DistributedDataParallel(model) if wrap_ddp else model
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     pilot = batchpilot.Pilot(net, opt, h.make_data(), batch_size=4, controller=SizeList(SIZES), seed=5,
