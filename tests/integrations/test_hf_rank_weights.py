@@ -7,10 +7,7 @@ from __future__ import annotations
 import collections
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,22 +18,16 @@ pytest.importorskip("accelerate")
 
 from _hf_common import PointSet, Recorder, SizeList, check_noise_by_hand
 from _hf_helpers import quiet_args, recorder_loss, sgd_reference
+from _script_runner import torchrun_ranks
 from transformers import TrainingArguments
 
 from batchpilot.data.shares import share_bounds
 from batchpilot.integrations.hf import AdaptiveBatchSizeTrainer
 from batchpilot.integrations.hf.checks import check_rank_weights_setting
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def torchrun(out: Path, *args: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO / "tests" / "_hf_ddp.py"), str(out), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return torchrun_ranks("_hf_ddp.py", out, *args)
 
 
 def check_shares_coverage_and_gradients(ranks: list[dict], num_samples: int, first_weights) -> None:

@@ -5,11 +5,7 @@ rank and resumes its estimate from a checkpoint; bad weights are refused with th
 from __future__ import annotations
 
 import collections
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,20 +15,14 @@ L = pytest.importorskip("lightning")
 
 from _hf_common import check_noise_by_hand  # noqa: E402
 from _lightning_ddp import NOISE_SAMPLES, Model, make_data, make_net  # noqa: E402
+from _script_runner import torchrun_ranks  # noqa: E402
 
 from batchpilot.data.shares import share_bounds  # noqa: E402
 from batchpilot.integrations.lightning import AdaptiveBatchSize  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def torchrun(out: Path, *args: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO / "tests" / "_lightning_ddp.py"), str(out), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return torchrun_ranks("_lightning_ddp.py", out, *args)
 
 
 def sgd_reference(batches: list[list[int]], data) -> list[torch.Tensor]:
