@@ -105,6 +105,9 @@ def _worker(rank: int, world: int, init_file: str, out_file: str, cfg: dict) -> 
         Path(out_file).write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip the interpreter's finalisation: beside gloo's threads it can abort (tests/_dist_helpers.py)
 
 
 def run(workload: str, method: str, world: int, *, steps: int, batch: int, link_delay: float = 0.0,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _dist_helpers import finish
 
 from batchpilot.distributed.adaptive_compression import AdaptiveCompression
 
@@ -47,8 +48,7 @@ def choice_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         out[name] = {"used": used, "switches": state.switches, "predicted": state.predicted,
                      "wire": state.wire_bytes, "full": state.full_bytes}
     Path(out_dir, f"choice{rank}.json").write_text(json.dumps(out))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish()  # (no interpreter finalisation beside gloo's threads: see _dist_helpers.finish)
 
 
 def resume_worker(rank: int, world: int, init_file: str, out_dir: str, level: str) -> None:
@@ -85,8 +85,7 @@ def resume_worker(rank: int, world: int, init_file: str, out_dir: str, level: st
               "wire2": state2.wire_bytes, "has_error": loaded["hook"]["residual"] is not None or
               loaded["hook"]["one_bit"] is not None and loaded["hook"]["one_bit"]["worker_error"] is not None}
     Path(out_dir, f"resume{rank}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish()  # (no interpreter finalisation beside gloo's threads: see _dist_helpers.finish)
 
 
 def _equal(a, b) -> bool:
@@ -134,5 +133,4 @@ def pilot_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         steps = 6 if name == "first" else 12
         out[name] = _pilot_run(hook, steps, ckpt, resume=name == "resumed", save=name == "first")
     Path(out_dir, f"pilot{rank}.json").write_text(json.dumps(out))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish()  # (no interpreter finalisation beside gloo's threads: see _dist_helpers.finish)
