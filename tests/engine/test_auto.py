@@ -226,3 +226,43 @@ def test_the_range_tests_reading_valley_and_noise():
     g = torch.Generator().manual_seed(0)
     flat = [0.7 + 0.03 * float(torch.randn(1, generator=g)) for _ in range(50)]
     assert not loss_fell(flat, smoothed_losses(flat))  # noise only: the test says nothing about the LR
+
+
+class CurveSteps:
+    """A probe runner whose step ``i`` reports ``curve[i]`` (no training): the range test's reading alone."""
+
+    count, memory_bound = 0, None
+
+    def __init__(self, curve):
+        self.curve = curve
+
+    def run(self, size, steps, set_lr=None, stop=None):
+        done = []
+        for i in range(steps):
+            set_lr(i)
+            done.append((0.01, self.curve[i], size))
+            if stop(done):
+                break
+        return done
+        yield  # (a generator, as probe_core's phases expect)
+
+    def keep_memory_bound(self):
+        pass
+
+
+@pytest.mark.parametrize("bottom, kept", [(6, False), (40, True)])
+def test_a_valley_wider_than_max_valley_span_keeps_the_optimizers_lr(bottom, kept):
+    """100 LRs over six decades (1e-3..1e3 x the optimizer's 0.01): the loss falls from step 30 to a flat bottom
+    ``bottom`` steps wide, then blows up. 6 steps are 1.3x in LR (the test can tell); 40 are 250x (it cannot)."""
+    from batchpilot.engine.probe_core import drive, range_test
+    from batchpilot.integrations._auto import LocalContext
+
+    curve = [3.0 - 2.0 * min(1.0, max(0.0, (i - 30) / 10)) + (5.0 if i > 40 + bottom else 0.0) for i in range(100)]
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
+    lr, _ = drive(range_test(LocalContext(1000, opt), CurveSteps(curve), Auto(16, 16, lr_steps=100), 16))
+    if kept:
+        assert lr == 0.01
+    else:
+        assert 0.4 * 0.01 * 10 ** (-3 + 6 * 40 / 99) < lr < 0.4 * 0.01 * 10 ** (-3 + 6 * (41 + bottom) / 99)
+    with pytest.raises(ValueError, match="max_valley_span"):
+        Auto(max_valley_span=0.5)

@@ -146,7 +146,6 @@ def test_a_linear_ramp_in_tokens_and_the_size_the_user_sets():
     (dict(lengths="sizes"), ValueError, "lengths='sizes' names no attribute or column"),
     (dict(lengths=[0] * 83), ValueError, r"lengths\[0\] is 0"),
     (dict(max_micro_batch_tokens=-1), ValueError, "max_micro_batch_tokens=-1"),
-    (dict(batch_size="auto"), ValueError, "batch_size='auto' cannot count tokens"),
 ])
 def test_bad_token_settings_name_the_value_and_the_fix(settings, error, message):
     with pytest.raises(error, match=message):

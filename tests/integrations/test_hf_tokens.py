@@ -203,8 +203,6 @@ def test_token_settings_are_checked_with_their_fix(tmp_path):
         build(batch_unit="tokens", batch_size=64)
     with pytest.raises(ValueError, match="batch_unit='samples'"):
         build(lengths="lengths")
-    with pytest.raises(ValueError, match="cannot count tokens"):
-        build(batch_size_scheduler=Auto(), batch_unit="tokens", lengths="lengths", batch_size=64)
     with pytest.raises(ValueError, match="batch_unit='bytes'"):
         build(batch_unit="bytes")
     with pytest.raises(ValueError, match="lengths has 3 entries but the dataset has 40"):
@@ -291,3 +289,36 @@ def test_oom_recovery_in_tokens_runs_the_step_again_and_keeps_the_gradient_exact
     reference = sgd_reference(data, steps)
     for a, b in zip(net.parameters(), reference.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+
+
+def test_auto_probes_token_budgets_then_covers_every_sample_once(tmp_path):
+    """batch_size_scheduler=Auto() in tokens: no first budget needed; the sweep doubles token budgets from
+    min_size; the run starts from the pre-probe weights at the knee and its epoch covers every sample once."""
+    data = Sequences(160)
+    net = TokenNet()
+    auto = Auto(24, 96, timed_steps=1, min_epoch_steps=4, lr_steps=20, interval=1000)
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=auto, model=net, train_dataset=data, data_collator=pad, batch_unit="tokens",
+        lengths="lengths", args=quiet_args(tmp_path, num_train_epochs=1, remove_unused_columns=False, **exact_sgd()))
+    spy = Observed(trainer)
+    trainer.add_callback(spy)
+    trainer.train()
+    probe = trainer.batchpilot.probe
+    assert probe is not None and [size for size, _ in probe.throughput][:2] == [24, 48]
+    assert probe.lr is not None and 24 <= probe.start_size <= 96
+    ids = [i for r in spy.records for i in r.indices.tolist()]
+    assert sorted(ids) == list(range(len(data)))  # the probes' samples were not trained on
+    first = spy.records[0]
+    assert first.global_tokens == sum(data.lengths[i] for i in first.indices) <= probe.start_size
+    assert (auto.min_size, auto.max_size) == (24, 96)  # given bounds are token counts already
+
+
+def test_auto_without_bounds_sweeps_from_32_samples_of_the_mean_length(tmp_path):
+    data = Sequences(160)
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler="auto", model=TokenNet(), train_dataset=data, data_collator=pad, batch_unit="tokens",
+        lengths="lengths", args=quiet_args(tmp_path, remove_unused_columns=False))
+    trainer.get_train_dataloader()
+    auto, mean = trainer.batchpilot.driver.controller, float(np.mean(data.lengths))
+    assert (auto.min_size, auto.max_size) == (round(32 * mean), round(4096 * mean))
+    assert trainer.batchpilot.loader.sampler.batch_size == auto.min_size

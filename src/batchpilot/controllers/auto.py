@@ -10,6 +10,7 @@ throughput x statistical efficiency) over the sizes from the knee up, so it neve
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -20,6 +21,9 @@ from .base import Observation
 from .goodput import Goodput
 
 __all__ = ["Auto", "ProbeResult", "pick_knee", "resolve_auto_mode"]
+
+DEFAULT_MIN, DEFAULT_MAX = 32, 4096
+"""``Auto``'s bounds when none are given, in samples."""
 
 BOUNDS = ("knee", "max_size", "dataset", "memory")
 """Why the throughput sweep stopped: a doubling bought too little (``"knee"``), or the next size would pass
@@ -117,7 +121,8 @@ class Auto:
 
     Args:
         min_size, max_size: The sweep's first size and its upper bound; every later decision lies in
-            ``[start size, max_size]``.
+            ``[start size, max_size]``. Left out: 32 and 4096 samples, or with ``batch_unit="tokens"`` that many
+            samples of the dataset's mean length in tokens (:meth:`count_tokens`).
         min_gain: A doubling of the batch must raise the measured throughput by at least this factor to be taken
             (default 1.2; see :func:`pick_knee`).
         timed_steps: Steps timed per size (the fastest gives the size's throughput), after ``warmup_steps``.
@@ -127,6 +132,9 @@ class Auto:
         lr_range: The range test's LRs, relative to the optimizer's LR (``(1e-3, 1e3)``: three decades either
             side).
         lr_fraction: The found LR is this fraction of the centre of the range test's loss valley.
+        max_valley_span: A valley wider than this factor (its highest LR over its lowest) means the test's few
+            steps cannot tell the LRs apart (Adam on a language model: 200x); the run then keeps the optimizer's
+            LR, as when the loss did not fall beyond its noise.
         lr_anchor: Where the found LR sits on the LR curve ``lr (1 + B_simple / anchor) / (1 + B_simple / B)``
             (with ``lr_rule="auto"``): at the start size (``"start"``: the knee trains at the found LR) or at
             ``max_size`` (``"max_size"``: the found LR is the curve's top; the knee trains below it while the
@@ -145,8 +153,8 @@ class Auto:
 
     def __init__(
         self,
-        min_size: int = 32,
-        max_size: int = 4096,
+        min_size: int | None = None,
+        max_size: int | None = None,
         *,
         min_gain: float = 1.2,
         timed_steps: int = 5,
@@ -155,6 +163,7 @@ class Auto:
         lr_steps: int = 100,
         lr_range: tuple[float, float] = (1e-3, 1e3),
         lr_fraction: float = 0.4,
+        max_valley_span: float = 10.0,
         lr_anchor: str = "start",
         interval: int = 50,
         switch_threshold: float = 0.05,
@@ -162,7 +171,9 @@ class Auto:
         max_change: float | None = 2.0,
         min_measurements: int = 10,
     ) -> None:
-        self.min_size, self.max_size = check_size_bounds(min_size, max_size)
+        self._defaults = (min_size is None, max_size is None)  # which bounds count_tokens() may rescale
+        self.min_size, self.max_size = check_size_bounds(DEFAULT_MIN if min_size is None else min_size,
+                                                         DEFAULT_MAX if max_size is None else max_size)
         self.min_gain = check_real(min_gain, "min_gain", low=1.0,
                                    hint=" It is a factor: 1.2 = a doubling must buy 20% more samples/s.")
         self.timed_steps = check_positive_int(timed_steps, "timed_steps")
@@ -178,6 +189,8 @@ class Auto:
                              "e.g. (1e-3, 1e3).")
         self.lr_range = (low, high)
         self.lr_fraction = check_real(lr_fraction, "lr_fraction", low=0.0, high=1.0, high_inclusive=True)
+        self.max_valley_span = check_real(max_valley_span, "max_valley_span", low=1.0,
+                                          hint=" It is a factor: 10 = the valley may span one decade of LR.")
         if lr_anchor not in ("start", "max_size"):
             raise ValueError(f"lr_anchor must be 'start' (the found LR is the knee's) or 'max_size' (it is the top of "
                              f"the LR curve, reached at max_size), got {lr_anchor!r}.")
@@ -189,6 +202,20 @@ class Auto:
         self.reason = "start probes not run yet"
         self.probe: ProbeResult | None = None
         self.goodput: Goodput | None = None
+
+    def count_tokens(self, mean_length: float) -> None:
+        """Count sizes in tokens (``batch_unit="tokens"``, before the probes): a bound left at its default becomes
+        that many samples of ``mean_length`` tokens (the dataset's mean), so the sweep covers the same batches as
+        in samples; a bound given is already a token count and stays."""
+        if self.probe is not None:
+            raise RuntimeError("count_tokens() comes before the start probes; this Auto has already started.")
+        if not (math.isfinite(mean_length) and mean_length > 0):
+            raise ValueError(f"mean_length must be a positive number of tokens per sample, got {mean_length!r}.")
+        low = max(1, round(DEFAULT_MIN * mean_length)) if self._defaults[0] else self.min_size
+        high = max(1, round(DEFAULT_MAX * mean_length)) if self._defaults[1] else self.max_size
+        low, high = (min(low, high), high) if self._defaults[0] else (low, max(low, high))
+        self.min_size, self.max_size = check_size_bounds(low, high)
+        self._goodput(self.min_size)
 
     @property
     def last_table(self) -> dict[int, float]:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Generator, Iterable
 from typing import Any, Protocol
 
 from ..controllers.auto import Auto, pick_knee
-from ..lr.range_test import diverged, loss_fell, min_loss_lr, smoothed_losses, valley_lr
+from ..lr.range_test import diverged, loss_fell, min_loss_lr, smoothed_losses, valley_bounds
 
 __all__ = ["ProbeContext", "ProbeRunner", "Steps", "drive", "range_test", "set_base_lr", "sweep"]
 
@@ -108,7 +108,9 @@ def _throughput(ctx: ProbeContext, runner: ProbeRunner, auto: Auto, size: int) -
                  "max_micro_batch_size": runner.memory_bound})
         return None
     timed = steps[auto.warmup_steps:]
-    full = [s for s in timed if s[2] == size] or timed  # an epoch's smaller tail step is no sample
+    # An epoch's smaller tail step is no sample. A token budget's steps fall short of it by up to a sample, so
+    # steps that hold more than half of it count as full.
+    full = [s for s in timed if 2 * s[2] > size] or timed
     rate = ctx.agree(max(n / t if t > 0 else math.inf for t, _, n in full))
     ctx.log({"phase": "throughput", "batch_size": size, "samples_per_s": rate,
              "step_s": [t for t, _, _ in timed], "loss": steps[-1][1]})
@@ -120,7 +122,8 @@ def range_test(ctx: ProbeContext, runner: ProbeRunner, auto: Auto, knee: int
     """The LR range test (Smith 2017) at ``knee``: ``(the run's LR, the LR at the smoothed loss's minimum)``.
 
     The run's LR is ``lr_fraction`` x the centre of the loss valley, or the optimizer's own LR when the loss did
-    not fall beyond its noise (then the test says nothing about the LR)."""
+    not fall beyond its noise or the valley spans more than ``max_valley_span`` (then the test says nothing
+    about the LR)."""
     groups = ctx.optimizer.param_groups
     base = [float(g["lr"]) for g in groups]
     ref = base[0]
@@ -152,12 +155,15 @@ def range_test(ctx: ProbeContext, runner: ProbeRunner, auto: Auto, knee: int
                            "and the loss, or lower the optimizer's LR (the test starts at "
                            f"{auto.lr_range[0]:g} x it).")
     smoothed = smoothed_losses(losses[:finite])
-    # A loss that did not fall beyond its own noise says nothing about the LR: keep the optimizer's.
+    # A loss that did not fall beyond its own noise, or that sat in a valley many times wider than the LR steps it
+    # can tell apart, says nothing about the LR: keep the optimizer's.
     fell = loss_fell(losses[:finite], smoothed)
-    lr = ctx.agree(auto.lr_fraction * valley_lr(lrs[:finite], smoothed) if fell else ref)
+    low, high = valley_bounds(lrs[:finite], smoothed)
+    told = fell and high <= auto.max_valley_span * low
+    lr = ctx.agree(auto.lr_fraction * math.sqrt(low * high) if told else ref)
     at_min = ctx.agree(min_loss_lr(lrs[:finite], smoothed))
     ctx.log({"phase": "lr_range_test", "batch_size": knee, "steps": len(steps), "lr": lr, "lr_at_min": at_min,
-             "loss_fell": fell, "lrs": lrs, "losses": losses})
+             "loss_fell": fell, "valley": [low, high], "lr_kept": not told, "lrs": lrs, "losses": losses})
     return lr, at_min
 
 

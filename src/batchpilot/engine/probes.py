@@ -13,7 +13,8 @@ sees more micro-batches; each probe step goes through the normal accumulation, b
 2. **LR range test** at the knee (Smith 2017): ``lr_steps`` steps with the LR growing exponentially over
    ``lr_range`` times the optimizer's LR, stopped when the smoothed loss diverges; the run's LR is
    ``lr_fraction`` x the centre of the loss valley (:func:`~batchpilot.lr.range_test.valley_lr`), or the
-   optimizer's own LR when the loss did not fall beyond its noise (:func:`~batchpilot.lr.range_test.loss_fell`).
+   optimizer's own LR when the loss did not fall beyond its noise (:func:`~batchpilot.lr.range_test.loss_fell`)
+   or the valley spans more than ``max_valley_span`` (:func:`~batchpilot.lr.range_test.valley_bounds`).
 3. **Back to the start.** The pre-probe snapshot is restored (weights, optimizer, data position, RNG,
    statistics): probe steps are no training steps and their samples are not trained on, so coverage stays
    exact. The run starts at the knee with the found LR, anchored there: with ``lr_rule="auto"`` the LR of any
@@ -121,7 +122,8 @@ class _PilotContext:
     """The Pilot as the probe phases' context (:class:`~.probe_core.ProbeContext`)."""
 
     def __init__(self, pilot: Any) -> None:
-        self.pilot, self.num_samples, self.optimizer = pilot, pilot.num_samples, pilot.optimizer
+        # the dataset's size in the batch's unit (tokens with batch_unit="tokens"), for the sweep's dataset bound
+        self.pilot, self.num_samples, self.optimizer = pilot, pilot.driver.num_samples, pilot.optimizer
 
     def agree(self, value: float) -> float:
         return _agree_float(self.pilot, value)
@@ -140,8 +142,8 @@ class _ProbeSteps:
 
     def run(self, size: int, steps: int, set_lr: Callable[[int], None] | None = None,
             stop: Callable[[Steps], bool] | None = None) -> Generator[Any, None, Steps | None]:
-        """Run ``steps`` steps of ``size`` samples (fewer when ``stop(done)`` says so after one); their
-        (seconds, loss, size), or ``None`` when one ran out of memory (on any rank)."""
+        """Run ``steps`` steps of ``size`` samples or tokens (fewer when ``stop(done)`` says so after one); their
+        (seconds, loss, samples or tokens), or ``None`` when one ran out of memory (on any rank)."""
         pilot = self.pilot
         pilot.loader.set_batch_size(size)
         done: Steps = []
@@ -157,10 +159,10 @@ class _ProbeSteps:
                     continue
                 if set_lr is not None:
                     set_lr(len(done))
-                outcome = pilot._step_end.apply(micro.global_size, self._event)
+                outcome = pilot._step_end.apply(micro.global_units, self._event)  # samples, or tokens
                 pilot._acc.micro, pilot._acc.step_open = None, False
                 now = time.perf_counter()
-                done.append((now - clock, outcome.loss, micro.global_size))
+                done.append((now - clock, outcome.loss, micro.global_units))
                 clock = now
                 self.count += 1
                 if len(done) >= steps or (stop is not None and stop(done)):

@@ -19,15 +19,16 @@ from ..data.loader import AdaptiveDataLoader, MicroBatch
 def setup_tokens(pilot: Any) -> None:
     """Point a new Pilot's counters at tokens when its loader counts them (nothing otherwise).
 
-    Raises:
-        ValueError: ``batch_size="auto"`` with ``batch_unit="tokens"`` (the start probes count samples).
+    With ``batch_size="auto"`` the :class:`~batchpilot.controllers.Auto` bounds left at their defaults become token
+    counts (:meth:`~batchpilot.controllers.Auto.count_tokens`) and the first step's budget is its ``min_size``: the
+    start probes then sweep token budgets.
     """
     plan = pilot.loader.sampler.token_plan
     if plan is None:
         return
     if pilot._auto:
-        raise ValueError("batch_size='auto' cannot count tokens yet (its start probes sweep sample counts); pass a "
-                         "token budget, batch_size=<tokens>, with a controller such as Goodput() or NoiseScale().")
+        pilot.controller.count_tokens(plan.total_tokens / pilot.num_samples)
+        pilot.loader.set_batch_size(pilot.controller.min_size)
     pilot.driver.num_samples = plan.total_tokens  # what Observation.num_samples holds: the dataset's tokens
     if pilot._noise is not None:
         pilot._noise.population = plan.total_tokens  # the finite-population correction, in tokens

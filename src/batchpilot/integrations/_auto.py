@@ -66,7 +66,8 @@ class DirectSteps:
 
     def run(self, size: int, steps: int, set_lr: Callable[[int], None] | None = None,
             stop: Callable[[Steps], bool] | None = None) -> Generator[Any, None, Steps | None]:
-        """Up to ``steps`` steps of ``size`` samples, timed from fetch to update: their (seconds, loss, size)."""
+        """Up to ``steps`` steps of ``size`` samples (or tokens), timed from fetch to update: their (seconds, loss,
+        samples or tokens)."""
         self.loader.set_batch_size(size)
         done: Steps = []
         clock = time.perf_counter()
@@ -81,7 +82,7 @@ class DirectSteps:
                 loss = self.step(micro)
                 micro = []
                 now = time.perf_counter()
-                done.append((now - clock, loss, m.global_size))
+                done.append((now - clock, loss, m.global_units))  # samples, or tokens
                 clock = now
                 self.count += 1
                 if len(done) >= steps or (stop is not None and stop(done)):
@@ -126,7 +127,8 @@ def run_start_probes(auto: Auto, *, model: torch.nn.Module, optimizer: Any, load
     started = time.perf_counter()
     snap = _snapshot(model, optimizer, loader)
     _at_base_lr(optimizer)
-    ctx = LocalContext(loader.sampler.num_samples, optimizer)
+    plan = loader.sampler.token_plan  # token budgets: the sweep's dataset bound counts tokens
+    ctx = LocalContext(loader.sampler.num_samples if plan is None else plan.total_tokens, optimizer)
     runner = DirectSteps(loader, step)
     try:
         knee, table, bound = drive(sweep(ctx, runner, auto))

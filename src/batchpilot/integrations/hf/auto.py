@@ -61,7 +61,7 @@ def start_probes(trainer: Any, run: Any) -> None:
             if m.ghost or not m.size:
                 continue
             loss = trainer.compute_loss(trainer.model_wrapped, trainer._prepare_inputs(m.data))
-            share = m.size / m.global_size  # the step's gradient is the mean over its samples
+            share = m.units / m.global_units  # the step's gradient is the mean over its samples (or tokens)
             (loss * share).backward()
             total += float(loss.detach()) * share
         if max_norm > 0:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..._validation import check_batch_size
+from ...controllers.auto import Auto
 from ...data.tokens import check_batch_unit, count_micro_batches, split_tokens, token_lengths
 
 
@@ -23,7 +24,8 @@ def check_token_settings(batch_unit: Any, lengths: Any, max_micro_batch_tokens: 
 
     Raises:
         ValueError, TypeError: an unknown unit, a token setting without ``batch_unit="tokens"``, tokens without a
-            first budget (``batch_size=``) or with ``batch_size_scheduler="auto"``, or a budget that is not an int >= 1.
+            first budget (``batch_size=``, which ``batch_size_scheduler="auto"`` does without: its probes start at
+            ``Auto``'s ``min_size``), or a budget that is not an int >= 1.
     """
     check_batch_unit(batch_unit, lengths, max_micro_batch_tokens)
     if batch_size is not None:
@@ -33,12 +35,17 @@ def check_token_settings(batch_unit: Any, lengths: Any, max_micro_batch_tokens: 
     if lengths is None:
         raise ValueError("batch_unit='tokens' needs lengths=: every sample's token count (a sequence), or the name of "
                          "a dataset attribute or column holding it (e.g. lengths='input_ids').")
-    if batch_size is None:
+    if batch_size is None and not auto:
         raise ValueError("batch_unit='tokens' needs the first step's token budget: batch_size=<tokens over all ranks> "
                          "(per_device_train_batch_size counts samples).")
-    if auto:
-        raise ValueError("batch_size_scheduler='auto' cannot count tokens (its start probes sweep sample counts); pass "
-                         "a token budget with a controller such as Goodput() or NoiseScale(), or batch_unit='samples'.")
+
+
+def count_auto_tokens(controller: Any, lengths: np.ndarray | None) -> None:
+    """With ``batch_size_scheduler=Auto()`` and token budgets (``lengths`` given), before its start probes: the
+    bounds left at their defaults become token counts (:meth:`~batchpilot.controllers.Auto.count_tokens`), so
+    that the probes sweep token budgets from ``min_size``."""
+    if lengths is not None and isinstance(controller, Auto) and controller.probe is None:
+        controller.count_tokens(float(np.mean(lengths)))
 
 
 def resolve_lengths(dataset: Any, lengths: Any, batch_unit: str) -> np.ndarray | None:

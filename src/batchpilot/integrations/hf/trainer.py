@@ -43,7 +43,7 @@ from .run import HFRun
 from .schedule import sample_schedule
 from .state import checkpoint_folder, read_state, resolve_resume, write_state
 from .step import StepPasses, loss_owns_scaling, step_stats
-from .tokens import check_token_settings, resolve_lengths
+from .tokens import check_token_settings, count_auto_tokens, resolve_lengths
 
 __all__ = ["AdaptiveBatchSizeTrainer"]
 
@@ -189,9 +189,12 @@ class AdaptiveBatchSizeTrainer(Trainer):
 
     @property
     def initial_batch_size(self) -> int:
-        """Global size of the first step: ``batch_size=``, else per-device batch x world size x accumulation steps."""
+        """Global size of the first step: ``batch_size=``, else per-device batch x world size x accumulation steps
+        (or, for ``Auto`` with token budgets, its ``min_size``: where its probes start)."""
         if self._bp_batch_size is not None:
             return int(self._bp_batch_size)
+        if self._bp_unit[0] == "tokens" and isinstance(self._bp_options["controller"], Auto):
+            return self._bp_options["controller"].min_size
         return self.args.per_device_train_batch_size * self.data_parallel_size * self.args.gradient_accumulation_steps
 
     def _new_driver(self, num_samples: int) -> SizeDriver:
@@ -226,6 +229,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
         unit, lengths, max_tokens = self._bp_unit
         if self._bp_lengths is None or self._bp_lengths[0] is not self.train_dataset:  # read once per dataset
             self._bp_lengths = (self.train_dataset, resolve_lengths(self.train_dataset, lengths, unit))
+        count_auto_tokens(self._bp_options["controller"], self._bp_lengths[1])  # Auto's default bounds in tokens
         loader = build_loader(dataset, collator, args, global_batch_size=self.initial_batch_size,
                               world_size=world_size, wrap_loader=self._prepare_train_loader, batch_unit=unit,
                               lengths=self._bp_lengths[1])
