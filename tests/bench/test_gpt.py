@@ -32,6 +32,7 @@ from batchpilot.bench.gpt_data import (
     samples_of,
     token_lengths,
 )
+from batchpilot.bench.runner import dataset_units
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +134,13 @@ def test_bench_runs_the_gpt_workload_in_tokens(tmp_path):
     assert run["curve"][-1]["tokens_seen"] == run["tokens"]
     assert results["calibration"]["sizes"] == [512, 1024]  # token budgets
     assert run["cost_model_s"] > 0.5 * run["steps"] * results["calibration"]["step_s"][1]  # priced at its tokens
+
+
+def test_the_bench_counts_the_gpt_training_set_in_tokens(data):
+    train = data[0]
+    units, unit = dataset_units(get_workload("gpt"), train)
+    assert unit == "tokens" and units == sum(token_lengths(train)) > 40 * len(train)
+    assert dataset_units(get_workload("synthetic"), train) == (len(train), "samples")
+    # A budget above the sample count is fine; one above the tokens is refused in tokens.
+    with pytest.raises(ValueError, match=rf"training set of {units} tokens: static:{units + 1}"):
+        run_benchmark(get_workload("gpt"), f"static:{len(train) + 1},static:{units + 1}", [0], progress=False)

@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .cache import BenchCache
@@ -240,14 +241,15 @@ def run_benchmark(
     train, test = (on_device(ds, dev) for ds in wl.build_data(wl.data_seed))
     data_s = time.perf_counter() - t0
     n = len(train)
-    lo, hi = min(wl.min_batch_size, n), min(wl.max_batch_size, n)
+    units, unit = dataset_units(wl, train)  # the sizes' unit: samples, or tokens (gpt)
+    lo, hi = min(wl.min_batch_size, units), min(wl.max_batch_size, units)
     extra = [s for p in pols if p.batch_size for s in (p.batch_size, p.end)]
     largest = {p.name: max(s for s in (p.batch_size, p.end) if s) for p in pols if p.batch_size}
-    too_big = [f"{name} ({most})" for name, most in largest.items() if most > n]
+    too_big = [f"{name} ({most})" for name, most in largest.items() if most > units]
     if too_big:
-        raise ValueError(f"batch sizes beyond the {wl.name} training set of {n} samples: {', '.join(too_big)}; a step "
-                         f"cannot hold more samples than there are (the LR would be scaled for a batch that never "
-                         f"trains). Use sizes up to {n}.")
+        raise ValueError(f"batch sizes beyond the {wl.name} training set of {units} {unit}: {', '.join(too_big)}; a "
+                         f"step cannot hold more {unit} than there are (the LR would be scaled for a batch that never "
+                         f"trains). Use sizes up to {units}.")
     sizes = size_grid(lo, hi, extra)
     cache = None if cache_dir is None else BenchCache(cache_dir, wl, {
         "target": target, "budget_s": budget_s, "eval_every": eval_every, "target_window": target_window,
@@ -273,7 +275,7 @@ def run_benchmark(
     finder = cal.finder_size(hi, among=size_grid(lo, hi))  # not the sizes calibrated for the policies
     show.note(f"finder picks batch {finder}")
 
-    plan = Plan(wl.base_lr, wl.base_batch_size, wl.lr_rule, n, lo, hi, finder, tuple(tune_factors),
+    plan = Plan(wl.base_lr, wl.base_batch_size, wl.lr_rule, units, lo, hi, finder, tuple(tune_factors),
                 wl.smith_every_epochs)
     specs, members = expand(pols, plan)
     results: dict[str, Any] = {
@@ -351,3 +353,11 @@ def run_benchmark(
     return _finite(results)  # what results.json holds: a target never reached is None, never inf
 
 
+def dataset_units(wl: Workload, train: Any) -> tuple[int, str]:
+    """The training set's size in the unit its batch sizes count: ``(len(train), "samples")``, or for a workload
+    whose Pilot counts tokens (``gpt``) ``(its tokens, "tokens")``; the policies' epochs (``ramp``'s period, the
+    bounds) are in that unit."""
+    settings = wl.pilot_settings(train) if wl.pilot_settings is not None else {}
+    if settings.get("batch_unit") == "tokens":
+        return int(np.sum(np.asarray(settings["lengths"]))), "tokens"
+    return len(train), "samples"
