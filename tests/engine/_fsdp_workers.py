@@ -204,3 +204,64 @@ def refuse_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> N
         dist.destroy_process_group()
         raise
     h.finish()
+
+
+def features_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    """With DDP and with fully_shard: unequal rank shares (fixed [1, 3], and "auto"), and the automatic mode (its
+    probes' snapshot and restore are the rollback guard's); the full weights of each."""
+    from batchpilot.controllers import Auto
+
+    init(rank, world_size, init_file, "gloo")
+    try:
+        out: dict = {}
+        for mode in ("ddp", "fsdp"):
+            for name, settings in (("weights", {"rank_weights": [1, 3]}), ("auto_weights", {"rank_weights": "auto"})):
+                model, net, pilot = build(mode, rank, **settings)
+                for x, y in pilot.batches(max_steps=12):
+                    pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+                out[f"{name}/{mode}"] = full_weights(model)
+                pilot.close()
+            model = h.make_model()
+            net = torch.nn.parallel.DistributedDataParallel(model) if mode == "ddp" else sharded(model)
+            opt = torch.optim.SGD(net.parameters(), lr=0.05)
+            pilot = batchpilot.Pilot(net, opt, h.make_data(), batch_size="auto", seed=5,
+                                     controller=Auto(4, 16, lr_steps=12, timed_steps=1, max_valley_span=1e9))
+            for x, y in pilot.batches(max_steps=6):
+                pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+            probe = pilot.controller.probe
+            out[f"auto/{mode}"] = full_weights(model)
+            out[f"probe/{mode}"] = [probe.start_size, probe.lr, probe.steps]
+            pilot.close()
+        out["sigterm"] = _sigterm_run(rank, Path(out_dir, "sigterm"))
+        Path(out_dir, f"features{rank}.json").write_text(json.dumps(out))
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    h.finish()
+
+
+def _sigterm_run(rank: int, folder: Path) -> dict:
+    """``save_on_sigterm`` with fully_shard: rank 1 gets a SIGTERM during step 5; every rank saves (through DCP) at
+    that step's end and stops; a new Pilot resumes from the folder to step 12. And an uninterrupted run to 12."""
+    import os
+    import signal
+
+    model, net, pilot = build("fsdp", rank, checkpoint_dir=str(folder), save_on_sigterm=True)
+    for x, y in pilot.batches(max_steps=12):
+        if rank == 1 and pilot.step == 4 and pilot.micro_batch.micro_index == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+    stopped, preempted = pilot.step, pilot.preempted
+    pilot.close()
+    model, net, pilot = build("fsdp", rank, checkpoint_dir=str(folder))
+    loaded = pilot.load_checkpoint(folder)
+    for x, y in pilot.batches(max_steps=12):
+        pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+    resumed = full_weights(model)
+    pilot.close()
+    model, net, pilot = build("fsdp", rank)
+    for x, y in pilot.batches(max_steps=12):
+        pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+    pilot.close()
+    return {"stopped": stopped, "preempted": preempted, "loaded": None if loaded is None else loaded.name,
+            "resumed": resumed, "straight": full_weights(model)}

@@ -80,3 +80,21 @@ def test_fsdp_refuses_what_it_cannot_train_with(tmp_path):
     assert "not sharded" in messages["root"] and "fully_shard(model)" in messages["root"]
     assert "other shapes: 0.weight (12, 5) vs (13, 5) here" in messages["other_model"] and messages["unchanged"]
     assert "DCP folder" in messages["no_dcp"] and "missing or incomplete" in messages["no_dcp"]
+
+
+@pytest.mark.slow
+def test_fsdp_with_rank_weights_and_the_automatic_mode_trains_the_weights_ddp_trains(tmp_path):
+    """Unequal shares ([1, 3] and "auto") and batch_size="auto" (its start probes snapshot and restore the sharded
+    model, as the rollback guard does) give the weights DDP gives, on both ranks; save_on_sigterm saves through
+    DCP and the resumed run ends with the uninterrupted run's weights."""
+    spawn(w.features_worker, tmp_path)
+    for rank in (0, 1):
+        out = read(tmp_path, f"features{rank}")
+        for name in ("weights", "auto_weights", "auto"):
+            close(out[f"{name}/ddp"], out[f"{name}/fsdp"], 1e-12)
+        assert out["probe/ddp"] == out["probe/fsdp"] and out["probe/fsdp"][2] > 12  # the sweep and the range test
+    assert read(tmp_path, "features0")["auto/fsdp"] == read(tmp_path, "features1")["auto/fsdp"]
+    for rank in (0, 1):  # save_on_sigterm: a SIGTERM to rank 1 in step 5 stops both ranks after saving step 5
+        sig = read(tmp_path, f"features{rank}")["sigterm"]
+        assert sig["stopped"] == 5 and sig["preempted"] and sig["loaded"] == "step-000000005.pt"
+        close(sig["resumed"], sig["straight"], 0.0)
