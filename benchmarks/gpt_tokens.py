@@ -1,8 +1,7 @@
 """Tokens and time to a validation-loss target on the ``gpt`` workload (issue 24 item 3).
 
 Runs ``batchpilot bench --workload gpt`` with the policies of the comparison (the LR-tuned static token budgets,
-the OLMo-style linear ramp, ``noise-scale`` and ``goodput``, all counted in tokens; ``auto`` refuses token budgets
-for now: its start probes sweep sample counts) and prints, per
+the OLMo-style linear ramp, ``noise-scale``, ``goodput`` and ``auto``, all counted in tokens) and prints, per
 policy, the median tokens, wall time and cost-model time to the target, and their ratios to the best LR-tuned
 static budget (the bench's: the smallest median wall time). Writes the bench's ``results.json`` and ``gpt_tokens.json``
 (the table) to ``--out``.
@@ -27,8 +26,8 @@ import torch
 from batchpilot.bench import get_workload, run_benchmark
 from batchpilot.bench.summary import is_static
 
-POLICIES = "tuned-static:1024-4096,warmup:512-8192@0+1,noise-scale,goodput"  # auto: not with token budgets yet
-QUICK_POLICIES = "static:1024,warmup:512-2048@0+0.1,goodput"
+POLICIES = "tuned-static:1024-4096,warmup:512-8192@0+1,noise-scale,goodput,auto"
+QUICK_POLICIES = "static:1024,warmup:512-2048@0+0.1,goodput,auto"
 TOKENS_RATIO, TIME_RATIO = 0.9, 1.0
 
 
