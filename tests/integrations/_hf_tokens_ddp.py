@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 2 tests/integrations/_hf_tokens_ddp.py OUT_DIR [W0,W1]
 
 OUT_DIR/rank<r>.json: per step the global size and tokens, this rank's sample ids and tokens, and the final
-weights. Budgets include 3 tokens (a step of one sample: rank 1 then runs ghost micro-batches); ``W0,W1`` passes ``rank_weights``. Used by
+weights. Budgets include 3 tokens (a step of one sample: rank 1 then runs ghost micro-batches); ``W0,W1`` (or ``auto``) passes ``rank_weights``. Used by
 tests/integrations/test_hf_tokens_distributed.py.
 """
 
@@ -26,7 +26,7 @@ from batchpilot.integrations.hf import AdaptiveBatchSizeTrainer  # noqa: E402
 BUDGETS = [30, 55, 3, 80, 12, 41]
 
 
-def main(out: Path, rank_weights: list[float] | None) -> None:
+def main(out: Path, rank_weights: list[float] | str | None) -> None:
     args = TrainingArguments(output_dir=str(out / "run"), use_cpu=True, report_to=[], disable_tqdm=True,
                              save_strategy="no", seed=0, num_train_epochs=2, gradient_accumulation_steps=2,
                              learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
@@ -53,4 +53,5 @@ def main(out: Path, rank_weights: list[float] | None) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), [float(w) for w in sys.argv[2].split(",")] if len(sys.argv) > 2 else None)
+    weights = sys.argv[2] if len(sys.argv) > 2 else None
+    main(Path(sys.argv[1]), weights if weights in (None, "auto") else [float(w) for w in weights.split(",")])
