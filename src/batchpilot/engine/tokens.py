@@ -26,7 +26,7 @@ def setup_tokens(pilot: Any) -> None:
     plan = pilot.loader.sampler.token_plan
     if plan is None:
         return
-    if pilot._auto:
+    if pilot._auto and pilot.controller.probe is None:  # (an Auto that has probed counts tokens already)
         pilot.controller.count_tokens(plan.total_tokens / pilot.num_samples)
         pilot.loader.set_batch_size(pilot.controller.min_size)
     pilot.driver.num_samples = plan.total_tokens  # what Observation.num_samples holds: the dataset's tokens
