@@ -49,7 +49,7 @@ def test_the_probes_sweep_token_budgets_and_keep_exact_coverage():
     steps, probe_tokens = train(pilot, model, 40)
     probe = pilot.controller.probe
     pilot.close()
-    assert probe is not None and [s for s, _ in probe.throughput][:3] == [40, 80, 160]
+    assert probe is not None and [s for s, _ in probe.throughput][:2] == [40, 80]  # (160 too unless 80 was slow)
     assert probe.bound in ("knee", "max_size") and 40 <= probe.start_size <= 160
     assert probe.lr is not None and probe.lr > 0 and sum(probe_tokens) > 0
     data = long_data()
