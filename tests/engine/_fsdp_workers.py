@@ -208,7 +208,8 @@ def refuse_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> N
 
 def features_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     """With DDP and with fully_shard: unequal rank shares (fixed [1, 3], and "auto"), and the automatic mode (its
-    probes' snapshot and restore are the rollback guard's); the full weights of each."""
+    probes' snapshot and restore are the rollback guard's); the full weights of each. Then fully_shard only:
+    save_on_sigterm (:func:`_sigterm_run`) and a forward through ``torch.compile``."""
     from batchpilot.controllers import Auto
 
     init(rank, world_size, init_file, "gloo")
@@ -233,6 +234,12 @@ def features_worker(rank: int, world_size: int, init_file: str, out_dir: str) ->
             out[f"probe/{mode}"] = [probe.start_size, probe.lr, probe.steps]
             pilot.close()
         out["sigterm"] = _sigterm_run(rank, Path(out_dir, "sigterm"))
+        model, net, pilot = build("fsdp", rank)
+        forward = torch.compile(net)  # (graph breaks at FSDP2's hooks; the step stays the engine's)
+        for x, y in pilot.batches(max_steps=12):
+            pilot.backward(torch.nn.functional.cross_entropy(forward(x), y))
+        out["compiled"] = full_weights(model)
+        pilot.close()
         Path(out_dir, f"features{rank}.json").write_text(json.dumps(out))
     except BaseException:
         dist.destroy_process_group()

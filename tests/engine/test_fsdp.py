@@ -86,7 +86,8 @@ def test_fsdp_refuses_what_it_cannot_train_with(tmp_path):
 def test_fsdp_with_rank_weights_and_the_automatic_mode_trains_the_weights_ddp_trains(tmp_path):
     """Unequal shares ([1, 3] and "auto") and batch_size="auto" (its start probes snapshot and restore the sharded
     model, as the rollback guard does) give the weights DDP gives, on both ranks; save_on_sigterm saves through
-    DCP and the resumed run ends with the uninterrupted run's weights."""
+    DCP and the resumed run ends with the uninterrupted run's weights; a torch.compile'd forward trains the same
+    weights."""
     spawn(w.features_worker, tmp_path)
     for rank in (0, 1):
         out = read(tmp_path, f"features{rank}")
@@ -98,3 +99,4 @@ def test_fsdp_with_rank_weights_and_the_automatic_mode_trains_the_weights_ddp_tr
         sig = read(tmp_path, f"features{rank}")["sigterm"]
         assert sig["stopped"] == 5 and sig["preempted"] and sig["loaded"] == "step-000000005.pt"
         close(sig["resumed"], sig["straight"], 0.0)
+        close(read(tmp_path, f"features{rank}")["compiled"], sig["straight"], 1e-12)  # torch.compile'd forward
