@@ -233,6 +233,8 @@ def features_worker(rank: int, world_size: int, init_file: str, out_dir: str) ->
             out[f"auto/{mode}"] = full_weights(model)
             out[f"probe/{mode}"] = [probe.start_size, probe.lr, probe.steps]
             pilot.close()
+        for mode in ("ddp", "fsdp"):
+            out[f"rollback/{mode}"] = _rollback_run(mode)
         out["sigterm"] = _sigterm_run(rank, Path(out_dir, "sigterm"))
         model, net, pilot = build("fsdp", rank)
         forward = torch.compile(net)  # (graph breaks at FSDP2's hooks; the step stays the engine's)
@@ -272,3 +274,25 @@ def _sigterm_run(rank: int, folder: Path) -> dict:
     pilot.close()
     return {"stopped": stopped, "preempted": preempted, "loaded": None if loaded is None else loaded.name,
             "resumed": resumed, "straight": full_weights(model)}
+
+
+def _rollback_run(mode: str) -> dict:
+    """The rollback guard: the controller grows 8 -> 16 at step 4, the first step at 16 gets a NaN loss; the guard
+    restores its snapshot (the sharded model's DTensor shards with fully_shard) and goes back to 8."""
+    from _rollback_helpers import GrowOnce
+
+    model = h.make_model()
+    net = torch.nn.parallel.DistributedDataParallel(model) if mode == "ddp" else sharded(model)
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    controller = GrowOnce(4, 16)
+    pilot = batchpilot.Pilot(net, opt, h.make_data(), batch_size=8, controller=controller, seed=5,
+                             rollback_cooldown=1000)
+    poisoned = False
+    for x, y in pilot.batches(max_steps=12):
+        loss = torch.nn.functional.cross_entropy(net(x), y)
+        if pilot.micro_batch.global_size == 16 and not poisoned:
+            loss, poisoned = loss * float("nan"), pilot.micro_batch.is_last
+        pilot.backward(loss)
+    sizes = [r["batch/global_size"] for r in [pilot.last_record]]
+    pilot.close()
+    return {"weights": full_weights(model), "told": controller.told, "rollbacks": pilot.rollbacks, "last": sizes}

@@ -87,7 +87,7 @@ def test_fsdp_with_rank_weights_and_the_automatic_mode_trains_the_weights_ddp_tr
     """Unequal shares ([1, 3] and "auto") and batch_size="auto" (its start probes snapshot and restore the sharded
     model, as the rollback guard does) give the weights DDP gives, on both ranks; save_on_sigterm saves through
     DCP and the resumed run ends with the uninterrupted run's weights; a torch.compile'd forward trains the same
-    weights."""
+    weights; the rollback guard undoes a NaN step after a change of size as under DDP."""
     spawn(w.features_worker, tmp_path)
     for rank in (0, 1):
         out = read(tmp_path, f"features{rank}")
@@ -100,3 +100,6 @@ def test_fsdp_with_rank_weights_and_the_automatic_mode_trains_the_weights_ddp_tr
         assert sig["stopped"] == 5 and sig["preempted"] and sig["loaded"] == "step-000000005.pt"
         close(sig["resumed"], sig["straight"], 0.0)
         close(read(tmp_path, f"features{rank}")["compiled"], sig["straight"], 1e-12)  # torch.compile'd forward
+        ddp, fsdp = (read(tmp_path, f"features{rank}")[f"rollback/{m}"] for m in ("ddp", "fsdp"))
+        assert fsdp["rollbacks"] == ddp["rollbacks"] == 1 and fsdp["told"] == ddp["told"] and fsdp["last"] == [8]
+        close(fsdp["weights"], ddp["weights"], 1e-12)  # the guard restored the sharded snapshot, as DDP's
