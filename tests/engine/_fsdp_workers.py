@@ -214,7 +214,7 @@ def features_worker(rank: int, world_size: int, init_file: str, out_dir: str) ->
 
     init(rank, world_size, init_file, "gloo")
     try:
-        out: dict = {}
+        out: dict = {}  # (Auto sweeps one size: the knee must not depend on the timings of two runs)
         for mode in ("ddp", "fsdp"):
             for name, settings in (("weights", {"rank_weights": [1, 3]}), ("auto_weights", {"rank_weights": "auto"})):
                 model, net, pilot = build(mode, rank, **settings)
@@ -226,7 +226,7 @@ def features_worker(rank: int, world_size: int, init_file: str, out_dir: str) ->
             net = torch.nn.parallel.DistributedDataParallel(model) if mode == "ddp" else sharded(model)
             opt = torch.optim.SGD(net.parameters(), lr=0.05)
             pilot = batchpilot.Pilot(net, opt, h.make_data(), batch_size="auto", seed=5,
-                                     controller=Auto(4, 16, lr_steps=12, timed_steps=1, max_valley_span=1e9))
+                                     controller=Auto(8, 8, lr_steps=12, timed_steps=1, max_valley_span=1e9))
             for x, y in pilot.batches(max_steps=6):
                 pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
             probe = pilot.controller.probe

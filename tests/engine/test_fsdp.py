@@ -93,7 +93,7 @@ def test_fsdp_with_rank_weights_and_the_automatic_mode_trains_the_weights_ddp_tr
         out = read(tmp_path, f"features{rank}")
         for name in ("weights", "auto_weights", "auto"):
             close(out[f"{name}/ddp"], out[f"{name}/fsdp"], 1e-12)
-        assert out["probe/ddp"] == out["probe/fsdp"] and out["probe/fsdp"][2] > 12  # the sweep and the range test
+        assert out["probe/ddp"] == out["probe/fsdp"] and out["probe/fsdp"][2] > 2  # the sweep and the range test
     assert read(tmp_path, "features0")["auto/fsdp"] == read(tmp_path, "features1")["auto/fsdp"]
     for rank in (0, 1):  # save_on_sigterm: a SIGTERM to rank 1 in step 5 stops both ranks after saving step 5
         sig = read(tmp_path, f"features{rank}")["sigterm"]

@@ -80,18 +80,21 @@ def test_default_bounds_become_tokens_and_given_ones_stay():
 
 
 def test_a_checkpoint_after_the_probes_resumes_exactly_without_probing_again(tmp_path):
+    def fixed_knee() -> Auto:  # one size to sweep: both runs start at 80 whatever the timings
+        return Auto(min_size=80, max_size=80, lr_steps=12, timed_steps=2)
+
     model = w.make_model()
-    whole = auto_pilot(model)
+    whole = auto_pilot(model, fixed_knee())
     steps, _ = train(whole, model, 30)
     weights = [p.detach().clone() for p in model.parameters()]
     whole.close()
     model = w.make_model()
-    first = auto_pilot(model)
+    first = auto_pilot(model, fixed_knee())
     part, _ = train(first, model, 12)
     path = first.save_checkpoint(tmp_path / "ckpt.pt")
     first.close()
     model = w.make_model()
-    second = auto_pilot(model)
+    second = auto_pilot(model, fixed_knee())
     second.load_checkpoint(path)
     rest, probe_tokens = train(second, model, 30)
     second.close()
