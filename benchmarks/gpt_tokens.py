@@ -4,7 +4,7 @@ Runs ``batchpilot bench --workload gpt`` with the policies of the comparison (th
 the OLMo-style linear ramp, ``noise-scale``, ``goodput`` and ``auto``, all counted in tokens) and prints, per
 policy, the median tokens, wall time and cost-model time to the target, and their ratios to the best LR-tuned
 static budget (the bench's: the smallest median wall time). Writes the bench's ``results.json`` and ``gpt_tokens.json``
-(the table) to ``--out``.
+(the table), the bench's ``report.md`` and plots, and ``gpt_loss_vs_tokens.png`` to ``--out``.
 
     PYTHONPATH=src python benchmarks/gpt_tokens.py --seeds 100,101,102,103,104 --out bench-out/gpt
     PYTHONPATH=src python benchmarks/gpt_tokens.py --quick --out /tmp/gpt-quick   # < 60 s: a smoke test
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from batchpilot.bench import get_workload, run_benchmark
+from batchpilot.bench import get_workload, run_benchmark, write_report
 from batchpilot.bench.summary import is_static
 
-POLICIES = "tuned-static:1024-4096,warmup:512-8192@0+1,noise-scale,goodput,auto"
+POLICIES = "tuned-static:512-4096,warmup:512-8192@0+1,noise-scale,goodput,auto"
 QUICK_POLICIES = "static:1024,warmup:512-2048@0+0.1,goodput,auto"
 TOKENS_RATIO, TIME_RATIO = 0.9, 1.0
 
@@ -75,6 +75,34 @@ def print_table(out: dict) -> None:
               f"{'PASS' if v['time_pass'] else 'MISS'}), cost model {_fmt(v['cost_ratio'], '.2f')}x")
 
 
+def plot_tokens(results: dict, out: Path) -> Path:
+    """``gpt_loss_vs_tokens.png``: each policy's validation loss against the tokens trained (its chosen LR cell for a
+    tuned static), the first seed's run, left, and its global batch in tokens, right; the target as a line."""
+    from batchpilot._plotting import figures, save
+
+    seed = min(run["seed"] for run in results["runs"])
+    chosen = {name: s.get("chosen") or name for name, s in results["summary"].items()}
+    runs = {name: next(r for r in results["runs"] if r["policy"] == policy and r["seed"] == seed)
+            for name, policy in chosen.items()}
+    fig, (left, right) = figures().subplots(1, 2, figsize=(11, 4))
+    for name, run in runs.items():
+        curve = [c for c in run["curve"] if c["accuracy"] > 0]
+        tokens = [c["tokens_seen"] / 1e6 for c in curve]
+        left.plot(tokens, [-math.log(c["accuracy"]) for c in curve], lw=1.2, label=f"{name} ({chosen[name]})"
+                  if chosen[name] != name else name)
+        right.step(tokens, [c["batch_size"] for c in curve], where="post", lw=1.2, label=name)
+    left.axhline(-math.log(results["target_accuracy"]), color="black", ls="--", lw=0.8, label="target")
+    left.set_ylim(top=3.0)
+    left.set(xlabel="tokens trained (millions)", ylabel="validation loss (nats/byte)", title=f"gpt, seed {seed}")
+    right.set(xlabel="tokens trained (millions)", ylabel="global batch (tokens)", yscale="log", title="batch")
+    left.legend(fontsize=7)
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    path = out / "gpt_loss_vs_tokens.png"
+    save(fig, path)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0,1,2,3,4")
@@ -97,6 +125,8 @@ def main() -> None:
     out = {"target_loss": -math.log(results["target_accuracy"]), "seeds": seeds, "policies": policies,
            "threads": args.threads, **table(results)}
     Path(args.out, "gpt_tokens.json").write_text(json.dumps(out, indent=1))
+    write_report(results, args.out)  # report.md and the bench's plots (accuracy = exp(-loss) against time)
+    plot_tokens(results, Path(args.out))
     print(f"target validation loss {out['target_loss']:.3f} nats/byte, seeds {seeds}")
     print_table(out)
 

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from _benchmarks import load_benchmark
 
 from batchpilot import Pilot
 from batchpilot.bench import get_workload, run_benchmark
@@ -134,6 +135,11 @@ def test_bench_runs_the_gpt_workload_in_tokens(tmp_path):
     assert run["curve"][-1]["tokens_seen"] == run["tokens"]
     assert results["calibration"]["sizes"] == [512, 1024]  # token budgets
     assert run["cost_model_s"] > 0.5 * run["steps"] * results["calibration"]["step_s"][1]  # priced at its tokens
+    script = load_benchmark("gpt_tokens")  # benchmarks/gpt_tokens.py's table and plot on these results
+    out = script.table(results)
+    assert out["best_static"] == "static:1024" and out["rows"]["static:1024"]["tokens_ratio"] == 1.0
+    assert out["verdict"] is None  # no adaptive policy ran
+    assert script.plot_tokens(results, tmp_path).stat().st_size > 10_000
 
 
 def test_the_bench_counts_the_gpt_training_set_in_tokens(data):
