@@ -293,6 +293,6 @@ def _rollback_run(mode: str) -> dict:
         if pilot.micro_batch.global_size == 16 and not poisoned:
             loss, poisoned = loss * float("nan"), pilot.micro_batch.is_last
         pilot.backward(loss)
-    sizes = [r["batch/global_size"] for r in [pilot.last_record]]
+    last = pilot.last_record["batch/global_size"]
     pilot.close()
-    return {"weights": full_weights(model), "told": controller.told, "rollbacks": pilot.rollbacks, "last": sizes}
+    return {"weights": full_weights(model), "told": controller.told, "rollbacks": pilot.rollbacks, "last": last}

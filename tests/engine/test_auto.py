@@ -253,7 +253,8 @@ class CurveSteps:
 @pytest.mark.parametrize("bottom, kept", [(6, False), (40, True)])
 def test_a_valley_wider_than_max_valley_span_keeps_the_optimizers_lr(bottom, kept):
     """100 LRs over six decades (1e-3..1e3 x the optimizer's 0.01): the loss falls from step 30 to a flat bottom
-    ``bottom`` steps wide, then blows up. 6 steps are 1.3x in LR (the test can tell); 40 are 250x (it cannot)."""
+    ``bottom`` steps wide, then blows up. With 6 the (smoothed) valley spans 3x in LR, so the test can tell; with 40
+    it spans 270x, so it cannot."""
     from batchpilot.engine.probe_core import drive, range_test
     from batchpilot.integrations._auto import LocalContext
 

@@ -101,5 +101,5 @@ def test_fsdp_with_rank_weights_and_the_automatic_mode_trains_the_weights_ddp_tr
         close(sig["resumed"], sig["straight"], 0.0)
         close(read(tmp_path, f"features{rank}")["compiled"], sig["straight"], 1e-12)  # torch.compile'd forward
         ddp, fsdp = (read(tmp_path, f"features{rank}")[f"rollback/{m}"] for m in ("ddp", "fsdp"))
-        assert fsdp["rollbacks"] == ddp["rollbacks"] == 1 and fsdp["told"] == ddp["told"] and fsdp["last"] == [8]
+        assert fsdp["rollbacks"] == ddp["rollbacks"] == 1 and fsdp["told"] == ddp["told"] and fsdp["last"] == 8
         close(fsdp["weights"], ddp["weights"], 1e-12)  # the guard restored the sharded snapshot, as DDP's

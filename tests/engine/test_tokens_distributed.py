@@ -35,7 +35,8 @@ def test_two_ranks_cover_exactly_and_match_one_big_batch_per_step(tmp_path, ddp,
         assert sum(lengths[i] for i in indices) == a["tokens"]
         tokens = [sum(lengths[i] for i in r["indices"]) for r in (a, b)]
         quota = [a["tokens"] / 2] * 2 if rank_weights is None else [a["tokens"] / 4, 3 * a["tokens"] / 4]
-        if len(indices) >= 2 and rank_weights != "auto":  # ("auto": the weights follow the measured rates)  # every rank has a sample, and is within one sample of its quota in tokens
+        # every rank has a sample, and is within one sample of its quota in tokens ("auto": the quotas move)
+        if len(indices) >= 2 and rank_weights != "auto":
             assert all(t > 0 and abs(t - q) <= w.MAX_LEN for t, q in zip(tokens, quota)), (tokens, quota)
         if max_tokens is not None:
             for r in (a, b):

@@ -1,10 +1,10 @@
 """AdaptiveBatchSizeTrainer(batch_unit="tokens") under torchrun (gloo on CPU): writes what each rank did.
 
-    torchrun --standalone --nproc-per-node 2 tests/integrations/_hf_tokens_ddp.py OUT_DIR [W0,W1]
+    torchrun --standalone --nproc-per-node 2 tests/integrations/_hf_tokens_ddp.py OUT_DIR [W0,W1 | auto]
 
 OUT_DIR/rank<r>.json: per step the global size and tokens, this rank's sample ids and tokens, and the final
-weights. Budgets include 3 tokens (a step of one sample: rank 1 then runs ghost micro-batches); ``W0,W1`` (or ``auto``) passes ``rank_weights``. Used by
-tests/integrations/test_hf_tokens_distributed.py.
+weights. Budgets include 3 tokens (a step of one sample: rank 1 then runs ghost micro-batches); ``W0,W1`` (or
+``auto``) passes ``rank_weights``. Used by tests/integrations/test_hf_tokens_distributed.py.
 """
 
 from __future__ import annotations
