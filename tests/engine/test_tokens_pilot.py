@@ -107,12 +107,17 @@ def test_the_controller_and_the_noise_scale_see_tokens():
 
 
 def test_goodput_decides_token_budgets_from_a_model_in_tokens():
-    records, _, pilot = run(40, controller=Goodput(), max_micro_batch_tokens=24, min_batch_size=30,
-                            max_batch_size=400, noise_every=1)
+    model = w.make_model()
+    pilot = w.make_pilot(model, controller=Goodput(), max_micro_batch_tokens=24, min_batch_size=30,
+                         max_batch_size=400, noise_every=1)
+    per_token: list[float] = []  # the fitted seconds per token of a micro-batch, step by step
+    pilot.add_callback(lambda p, r: per_token.append(r.get("perf/micro_time_b_s", float("nan"))))
+    records = w.train(pilot, model, 40)
     micro = observed_stats(pilot.last_record, world_size=1, max_micro_batch_size=micro_bound(pilot.loader))
     assert micro["perf/max_micro_batch_size"] == 24  # the bound Goodput plans micro-batches with is in tokens
     assert all(r["tokens"] <= 400 or len(r["indices"]) == 1 for r in records)
-    assert 30 <= pilot.batch_size <= 400 and pilot.last_record["perf/micro_time_b_s"] > 0  # its time per token
+    # Its time model is fitted per token (a noisy fit may clamp the slope to 0 at a step, not at every step).
+    assert 30 <= pilot.batch_size <= 400 and max(b for b in per_token if b == b) > 0
 
 
 def test_drop_last_drops_a_tail_short_of_the_budget():
