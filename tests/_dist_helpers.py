@@ -7,6 +7,7 @@ import gc
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -83,16 +84,24 @@ def finish() -> None:
     os._exit(0)
 
 
-def worker(rank: int, world_size: int, init_file: str, out_dir: str, steps: int, wrap_ddp: bool, micro,
-           amp: str | None = None) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+@contextlib.contextmanager
+def worker_group(rank: int, world_size: int, init_file: str, backend: str = "gloo") -> Iterator[None]:
+    """A worker's body inside the process group: joined before it; after it every rank leaves through
+    :func:`finish`, or on an error the group is destroyed and the error raised (so the spawn reports it)."""
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
-        result = train(steps, rank, world_size, wrap_ddp, micro, amp)
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+        yield
     except BaseException:
         dist.destroy_process_group()
         raise
     finish()
+
+
+def worker(rank: int, world_size: int, init_file: str, out_dir: str, steps: int, wrap_ddp: bool, micro,
+           amp: str | None = None) -> None:
+    with worker_group(rank, world_size, init_file):
+        result = train(steps, rank, world_size, wrap_ddp, micro, amp)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
 
 
 def run_reference(steps: int, micro) -> dict:

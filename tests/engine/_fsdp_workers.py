@@ -3,13 +3,15 @@ and with ``fully_shard`` on 2 gloo ranks, and checkpoints through DCP saved on 2
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -36,21 +38,33 @@ def full_weights(model: torch.nn.Module) -> list[list]:
     return [(p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).tolist() for p in model.parameters()]
 
 
-def init(rank: int, world_size: int, init_file: str, backend: str) -> str:
-    """Join the process group; return the device this rank trains on (``cuda:<rank>`` under NCCL)."""
-    device = f"cuda:{rank}" if backend == "nccl" else "cpu"
+@contextlib.contextmanager
+def group(rank: int, world_size: int, init_file: str, backend: str = "gloo") -> Iterator[str]:
+    """A worker's body in the process group (:func:`_dist_helpers.worker_group`); yields the device this rank trains
+    on (``cuda:<rank>`` under NCCL)."""
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    return device
+    with h.worker_group(rank, world_size, init_file, backend):
+        yield f"cuda:{rank}" if backend == "nccl" else "cpu"
+
+
+def wrapped(mode: str, model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` for ``mode``: in DDP (``"ddp"``), sharded (``"fsdp"``) or bare (``"plain"``)."""
+    return torch.nn.parallel.DistributedDataParallel(model) if mode == "ddp" else \
+        sharded(model) if mode == "fsdp" else model
+
+
+def train_to(pilot: batchpilot.Pilot, forward: Any, steps: int) -> None:
+    """Run ``pilot`` to ``steps`` steps with the cross-entropy of ``forward`` (the wrapped or compiled model)."""
+    for x, y in pilot.batches(max_steps=steps):
+        pilot.backward(torch.nn.functional.cross_entropy(forward(x), y))
 
 
 def build(mode: str, rank: int, checkpoint_dir: str | None = None, device: str = "cpu", **settings):
     """The model (``"ddp"``, ``"fsdp"`` or ``"plain"``), its optimizer and a Pilot with changing sizes, accumulation
     (micro-batches of at most 4), clipping, and the gradient noise scale measured every 2nd step."""
     model = h.make_model().to(device)
-    net = torch.nn.parallel.DistributedDataParallel(model) if mode == "ddp" else \
-        sharded(model) if mode == "fsdp" else model
+    net = wrapped(mode, model)
     opt = torch.optim.Adam(net.parameters(), lr=0.01)
     controller = SizeList(h.SIZES) if rank == 0 else SizeList([0])
     pilot = batchpilot.Pilot(net, opt, h.make_data(), batch_size=4, controller=controller, max_micro_batch_size=4,
@@ -63,8 +77,7 @@ def train_worker(rank: int, world_size: int, init_file: str, out_dir: str, modes
                  backend: str = "gloo") -> None:
     """Train ``STEPS`` steps with each of ``modes``; write the per-step sizes and norms, the noise statistics and the
     full weights of each."""
-    device = init(rank, world_size, init_file, backend)
-    try:
+    with group(rank, world_size, init_file, backend) as device:
         for mode in modes:
             model, net, pilot = build(mode, rank, device=device)
             out: dict = {"sizes": [], "norms": [], "accumulation": []}
@@ -80,55 +93,42 @@ def train_worker(rank: int, world_size: int, init_file: str, out_dir: str, modes
             out["grad_types"] = sorted({type(p.grad).__name__ for p in model.parameters()})
             Path(out_dir, f"{mode}{rank}.json").write_text(json.dumps(out))
             del pilot, net, model
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    h.finish()
 
 
 def checkpoint_worker(rank: int, world_size: int, init_file: str, out_dir: str, backend: str = "gloo") -> None:
     """Train 20 steps with a checkpoint every 5 (through DCP); a new Pilot loads the step-10 one and trains to step
     20 again. Writes both runs' final weights and the weights at step 10."""
-    device = init(rank, world_size, init_file, backend)
-    try:
+    with group(rank, world_size, init_file, backend) as device:
         ckpt = Path(out_dir, "ckpt")
         model, net, pilot = build("fsdp", rank, checkpoint_dir=str(ckpt), checkpoint_every=5, keep_checkpoints=10,
                                   device=device)
         at10: list = []
         pilot.add_callback(lambda p, r, m=model: at10.extend(full_weights(m)) if p.step == 10 else None)
-        for x, y in pilot.batches(max_steps=STEPS):
-            pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+        train_to(pilot, net, STEPS)
         first = full_weights(model)
         del pilot, net, model
         model, net, pilot = build("fsdp", rank, device=device)
         loaded = pilot.load_checkpoint(ckpt / "step-000000010.pt")
         at10_loaded = full_weights(model)
-        for x, y in pilot.batches(max_steps=STEPS):
-            pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+        train_to(pilot, net, STEPS)
         out = {"first": first, "at10": at10, "at10_loaded": at10_loaded, "resumed": full_weights(model),
                "step": pilot.step, "loaded": None if loaded is None else loaded.name,
                "files": sorted(p.name for p in ckpt.iterdir())}
         snapshot = take_snapshot(pilot)  # the rollback guard's in-memory state: this rank's DTensor shards
         runs = []
         for _ in range(2):
-            for x, y in pilot.batches(max_steps=STEPS + 3):
-                pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+            train_to(pilot, net, STEPS + 3)
             runs.append(full_weights(model))
             restore_snapshot(pilot, snapshot)
         out["snapshot_runs"] = runs
         Path(out_dir, f"ckpt{rank}.json").write_text(json.dumps(out))
         del pilot, net, model
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    h.finish()
 
 
 def reshard_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     """1 rank: load the 2-rank checkpoint of step 10 into a 1-rank ``fully_shard`` model, then into the bare model,
     and train each to step 20."""
-    init(rank, world_size, init_file, "gloo")
-    try:
+    with group(rank, world_size, init_file):
         pruned = Path(out_dir, "pruned")
         for mode in ("fsdp", "plain"):
             settings = dict(checkpoint_every=2, keep_checkpoints=2) if mode == "fsdp" else {}
@@ -138,39 +138,27 @@ def reshard_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> 
             if mode == "fsdp":  # a 1-rank checkpoint for reload_worker to reshard onto 2
                 pilot.add_callback(lambda p, r: p.save_checkpoint(Path(out_dir, "one", "step-15.pt"))
                                    if p.step == 15 else None)
-            for x, y in pilot.batches(max_steps=STEPS):
-                pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+            train_to(pilot, net, STEPS)
             out = {"at10": at10, "final": full_weights(model), "step": pilot.step,
                    "kept": sorted(p.name for p in pruned.iterdir()) if settings else None}
             Path(out_dir, f"reshard_{mode}.json").write_text(json.dumps(out))
             del pilot, net, model
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    h.finish()
 
 
 def reload_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     """2 ranks: load the 1-rank checkpoint of step 15 (see reshard_worker) and train to step 20."""
-    init(rank, world_size, init_file, "gloo")
-    try:
+    with group(rank, world_size, init_file):
         model, net, pilot = build("fsdp", rank)
         pilot.load_checkpoint(Path(out_dir, "one", "step-15.pt"))
-        for x, y in pilot.batches(max_steps=STEPS):
-            pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+        train_to(pilot, net, STEPS)
         out = {"final": full_weights(model), "step": pilot.step}
         Path(out_dir, f"reload{rank}.json").write_text(json.dumps(out))
         del pilot, net, model
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    h.finish()
 
 
 def refuse_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     """The settings FSDP2 refuses, and a model whose root is not sharded: the messages."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
+    with group(rank, world_size, init_file):
         messages = {}
         for name, kwargs in (("oom", {"oom_recovery": True}), ("fp16", {"amp": "fp16"}),
                              ("compression", {"compression": "1bit"})):
@@ -200,10 +188,6 @@ def refuse_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> N
                 messages[name] = str(exc)
         messages["unchanged"] = full_weights(other) == before
         Path(out_dir, f"refuse{rank}.json").write_text(json.dumps(messages))
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    h.finish()
 
 
 def features_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
@@ -212,23 +196,20 @@ def features_worker(rank: int, world_size: int, init_file: str, out_dir: str) ->
     save_on_sigterm (:func:`_sigterm_run`) and a forward through ``torch.compile``."""
     from batchpilot.controllers import Auto
 
-    init(rank, world_size, init_file, "gloo")
-    try:
+    with group(rank, world_size, init_file):
         out: dict = {}  # (Auto sweeps one size: the knee must not depend on the timings of two runs)
         for mode in ("ddp", "fsdp"):
             for name, settings in (("weights", {"rank_weights": [1, 3]}), ("auto_weights", {"rank_weights": "auto"})):
                 model, net, pilot = build(mode, rank, **settings)
-                for x, y in pilot.batches(max_steps=12):
-                    pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+                train_to(pilot, net, 12)
                 out[f"{name}/{mode}"] = full_weights(model)
                 pilot.close()
             model = h.make_model()
-            net = torch.nn.parallel.DistributedDataParallel(model) if mode == "ddp" else sharded(model)
+            net = wrapped(mode, model)
             opt = torch.optim.SGD(net.parameters(), lr=0.05)
             pilot = batchpilot.Pilot(net, opt, h.make_data(), batch_size="auto", seed=5,
                                      controller=Auto(8, 8, lr_steps=12, timed_steps=1, max_valley_span=1e9))
-            for x, y in pilot.batches(max_steps=6):
-                pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+            train_to(pilot, net, 6)
             probe = pilot.controller.probe
             out[f"auto/{mode}"] = full_weights(model)
             out[f"probe/{mode}"] = [probe.start_size, probe.lr, probe.steps]
@@ -238,15 +219,10 @@ def features_worker(rank: int, world_size: int, init_file: str, out_dir: str) ->
         out["sigterm"] = _sigterm_run(rank, Path(out_dir, "sigterm"))
         model, net, pilot = build("fsdp", rank)
         forward = torch.compile(net)  # (graph breaks at FSDP2's hooks; the step stays the engine's)
-        for x, y in pilot.batches(max_steps=12):
-            pilot.backward(torch.nn.functional.cross_entropy(forward(x), y))
+        train_to(pilot, forward, 12)
         out["compiled"] = full_weights(model)
         pilot.close()
         Path(out_dir, f"features{rank}.json").write_text(json.dumps(out))
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    h.finish()
 
 
 def _sigterm_run(rank: int, folder: Path) -> dict:
@@ -264,13 +240,11 @@ def _sigterm_run(rank: int, folder: Path) -> dict:
     pilot.close()
     model, net, pilot = build("fsdp", rank, checkpoint_dir=str(folder))
     loaded = pilot.load_checkpoint(folder)
-    for x, y in pilot.batches(max_steps=12):
-        pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+    train_to(pilot, net, 12)
     resumed = full_weights(model)
     pilot.close()
     model, net, pilot = build("fsdp", rank)
-    for x, y in pilot.batches(max_steps=12):
-        pilot.backward(torch.nn.functional.cross_entropy(net(x), y))
+    train_to(pilot, net, 12)
     pilot.close()
     return {"stopped": stopped, "preempted": preempted, "loaded": None if loaded is None else loaded.name,
             "resumed": resumed, "straight": full_weights(model)}
@@ -282,7 +256,7 @@ def _rollback_run(mode: str) -> dict:
     from _rollback_helpers import GrowOnce
 
     model = h.make_model()
-    net = torch.nn.parallel.DistributedDataParallel(model) if mode == "ddp" else sharded(model)
+    net = wrapped(mode, model)
     opt = torch.optim.Adam(net.parameters(), lr=0.01)
     controller = GrowOnce(4, 16)
     pilot = batchpilot.Pilot(net, opt, h.make_data(), batch_size=8, controller=controller, seed=5,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _hf_common import SizeList  # a controller that replays a list of sizes
 from torch.utils.data import TensorDataset
 
 import batchpilot
@@ -49,24 +50,18 @@ def token_loss_sum(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mas
     return (((model(x).squeeze(-1) - y) ** 2) * mask).sum()
 
 
-class Budgets:
+class Budgets(SizeList):
     """A controller that replays token budgets (rank 0 only ever calls it); records what it observed; resumable."""
 
     def __init__(self, budgets: list[int]) -> None:
-        self.budgets, self.i, self.seen, self.stats = list(budgets), 0, [], {}
+        super().__init__(budgets)
+        self.seen: list[tuple[int, int, int]] = []
+        self.stats: dict = {}
 
     def decide(self, obs: batchpilot.Observation) -> int:
         self.seen.append((obs.batch_size, obs.samples_seen, obs.num_samples))
         self.stats = dict(obs.stats)
-        size = self.budgets[self.i % len(self.budgets)]
-        self.i += 1
-        return size
-
-    def state_dict(self) -> dict:
-        return {"i": self.i}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.i = state["i"]
+        return super().decide(obs)
 
 
 def train(pilot: batchpilot.Pilot, model: torch.nn.Module, steps: int) -> list[dict]:

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -62,14 +61,9 @@ def _train(rank: int, world_size: int, *, wrap_ddp: bool, micro: int | None, wei
 
 
 def _worker(rank: int, world_size: int, init_file: str, out_dir: str, kwargs: dict) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
+    with h.worker_group(rank, world_size, init_file):
         result = _train(rank, world_size, **kwargs)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    h.finish()
 
 
 def _spawn(tmp_path: Path, **kwargs) -> list[dict]:
@@ -141,8 +135,7 @@ def _noise_worker(rank: int, world_size: int, init_file: str, out_dir: str, wrap
     """The gradient noise of a least-squares problem (weights frozen) with shares 1:3."""
     from test_engine_stats import least_squares
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
+    with h.worker_group(rank, world_size, init_file):
         ds, model, true_g2, true_tr = least_squares(n=60_000)
         net = torch.nn.parallel.DistributedDataParallel(model) if wrap_ddp else model
         pilot = batchpilot.Pilot(net, torch.optim.SGD(net.parameters(), lr=0.0), ds, batch_size=256, noise_every=1,
@@ -155,10 +148,6 @@ def _noise_worker(rank: int, world_size: int, init_file: str, out_dir: str, wrap
         out.update(true_g2=true_g2, true_tr=true_tr, sizes=sorted(sizes))
         Path(out_dir, f"noise{rank}.json").write_text(json.dumps(out))
         del pilot, net, model
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    h.finish()
 
 
 @pytest.mark.parametrize(("wrap_ddp", "micro"), [(True, None), pytest.param(False, None, marks=pytest.mark.slow),
@@ -190,8 +179,7 @@ class _SlowLinear(torch.nn.Module):
 
 
 def _auto_worker(rank: int, world_size: int, init_file: str, out_dir: str, wrap_ddp: bool) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
+    with h.worker_group(rank, world_size, init_file):
         torch.manual_seed(0)
         # rank 1 is 3x slower per sample; sleeps long enough that a loaded machine's wake-up delays (a fixed cost per
         # micro-batch, which pulls the measured ratio towards 1) stay small beside them
@@ -216,10 +204,6 @@ def _auto_worker(rank: int, world_size: int, init_file: str, out_dir: str, wrap_
                 result["same estimates"] = again._ranks.balancer.state_dict() == pilot._ranks.balancer.state_dict()
         Path(out_dir, f"auto{rank}.json").write_text(json.dumps(result))
         del pilot, net
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    h.finish()
 
 
 @pytest.mark.parametrize("wrap_ddp", [True, pytest.param(False, marks=pytest.mark.slow)])

@@ -58,3 +58,16 @@ class TokenNet(torch.nn.Module):
         logits = self.out(torch.tanh(self.emb(input_ids)))
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
         return {"loss": loss, "logits": logits}
+
+
+def sgd_reference(data: Sequences, steps: list[list[int]]) -> TokenNet:
+    """Plain SGD (lr 0.1) on each global batch's mean loss per token (``steps``: each step's dataset indices)."""
+    net = TokenNet()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    for ids in steps:
+        optimizer.zero_grad()
+        batch = pad([data[i] for i in ids])
+        batch.pop("sample_id")
+        net(**batch)["loss"].backward()  # one forward over the whole global batch: the mean over all its tokens
+        optimizer.step()
+    return net

@@ -4,8 +4,6 @@ trains (with dataloader workers and accelerate's look-ahead too), a resumed run 
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 import torch
@@ -13,35 +11,19 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from _curriculum import RULE, expected_sizes
 from _hf_common import PointSet, Recorder
 from _hf_helpers import exact_sgd, quiet_args, record_steps
 
-from batchpilot.controllers import ContextSchedule, DataMix, DataScore, curriculum_scheduler, task_aware_scheduler
+from batchpilot.controllers import ContextSchedule, DataMix, DataScore, task_aware_scheduler
 from batchpilot.data import AdaptiveBatchSampler
 from batchpilot.integrations.hf import AdaptiveBatchSizeTrainer
 
 N = 61
-RULE = functools.partial(curriculum_scheduler, threshold=0.5, min_size=2, max_size=12)
 
 
 def scores() -> np.ndarray:
     return np.random.default_rng(4).random(N)
-
-
-def expected_sizes(first: int, epochs: int, difficulty: np.ndarray, seed: int = 0) -> list[int]:
-    """By hand: after each step, the curriculum rule on the mean difficulty of the next `size` samples."""
-    order = AdaptiveBatchSampler(N, 1, seed=seed).order
-    sizes, size, step = [], first, 0
-    for epoch in range(epochs):
-        offset = 0
-        while offset < N:
-            sizes.append(min(size, N - offset))
-            offset += sizes[-1]
-            step += 1
-            e, o = (epoch + 1, 0) if offset == N else (epoch, offset)
-            window = order(e)[o:o + size]
-            size = RULE(step, size, float(np.mean(difficulty[window])))
-    return sizes
 
 
 def build(out, difficulty: DataScore, **overrides) -> AdaptiveBatchSizeTrainer:

@@ -16,7 +16,7 @@ pytest.importorskip("accelerate")
 
 from _hf_common import SizeList
 from _hf_helpers import exact_sgd, quiet_args
-from _hf_tokens_common import VOCAB, N, Sequences, TokenNet, pad
+from _hf_tokens_common import VOCAB, N, Sequences, TokenNet, pad, sgd_reference
 from transformers import TrainerCallback
 
 from batchpilot.controllers import Auto
@@ -39,19 +39,6 @@ def expected_steps(data: Sequences, budgets: list[int], first: int, epochs: int,
             steps.append(order(epoch)[offset:stop].tolist())
             offset, budget = stop, next(nxt)
     return steps
-
-
-def sgd_reference(data: Sequences, steps: list[list[int]]) -> TokenNet:
-    """Plain SGD (lr 0.1) on each global batch's mean loss per token."""
-    net = TokenNet()
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    for ids in steps:
-        optimizer.zero_grad()
-        batch = pad([data[i] for i in ids])
-        batch.pop("sample_id")
-        net(**batch)["loss"].backward()  # one forward over the whole global batch: the mean over all its tokens
-        optimizer.step()
-    return net
 
 
 class Observed(TrainerCallback):

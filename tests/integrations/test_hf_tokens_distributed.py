@@ -19,21 +19,9 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from _hf_tokens_common import N, Sequences, TokenNet, pad
+from _hf_tokens_common import N, Sequences, sgd_reference
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def sgd_reference(data: Sequences, steps: list[list[int]]) -> TokenNet:
-    net = TokenNet()
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    for ids in steps:
-        optimizer.zero_grad()
-        batch = pad([data[i] for i in ids])
-        batch.pop("sample_id")
-        net(**batch)["loss"].backward()
-        optimizer.step()
-    return net
 
 
 @pytest.mark.distributed
