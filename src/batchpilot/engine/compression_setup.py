@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from ..distributed.compression import OneBitState
 from ..measure.noise_probe import attach_comm_hook
 
@@ -104,9 +102,6 @@ def setup_compression(pilot: Any) -> CompressionPart | None:
         return None
     name = value if isinstance(value, str) else getattr(value, "__qualname__", type(value).__name__)
     ddp_model = pilot._ddp_model
-    if ddp_model is not None and not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
-        raise ValueError(f"compression={name!r} is a DistributedDataParallel communication hook, but the model is "
-                         f"reduced by a {type(ddp_model).__name__}; use DDP, or leave compression None.")
     if ddp_model is None:
         raise ValueError(f"compression={name!r} compresses inside DistributedDataParallel's all-reduce, but the model "
                          "is not a DDP model; wrap it (torch.nn.parallel.DistributedDataParallel(model)) or drop "
